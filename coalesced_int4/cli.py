@@ -1,0 +1,68 @@
+"""Command line: ``coalesced-int4 <command>`` or ``python -m coalesced_int4 <command>``.
+
+demo      the built-in decoder end to end (no arguments, no network)
+quantize  convert a Hugging Face safetensors checkpoint, streaming
+inspect   summarise a checkpoint; ``--error SRC`` adds per-layer SNR against the dense source
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coalesced-int4", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="run the built-in decoder end to end")
+    demo.add_argument("--tokens", type=int, default=32, help="new tokens to generate")
+    demo.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+
+    quantize = commands.add_parser("quantize", help="convert a Hugging Face checkpoint")
+    quantize.add_argument("src", help="safetensors file, or directory (with or without index)")
+    quantize.add_argument("dst", help="output directory")
+    quantize.add_argument("--include", action="append", default=None,
+                          help="fnmatch pattern of tensor names to quantize (repeatable)")
+    quantize.add_argument("--exclude", action="append", default=None,
+                          help="fnmatch pattern of tensor names to copy (default: *embed*)")
+    quantize.add_argument("--device", default="cpu", help="where to quantize, e.g. cuda")
+    quantize.add_argument("--max-shard-size", default="5GB")
+
+    inspect = commands.add_parser("inspect", help="summarise a quantized checkpoint")
+    inspect.add_argument("path")
+    inspect.add_argument("--error", metavar="SRC", default=None,
+                         help="dense source checkpoint: print per-layer dequantization SNR")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from coalesced_int4.serialization import CheckpointError
+
+    try:
+        if args.command == "demo":
+            from coalesced_int4.demo import run_demo
+
+            run_demo(new_tokens=args.tokens, compile=not args.no_compile, device=args.device)
+        elif args.command == "quantize":
+            from coalesced_int4.serialization.convert import DEFAULT_EXCLUDE, convert_checkpoint
+
+            summary = convert_checkpoint(
+                args.src, args.dst,
+                include=args.include or ("*",),
+                exclude=args.exclude or DEFAULT_EXCLUDE,
+                device=args.device,
+                max_shard_size=args.max_shard_size,
+            )
+            print(summary)
+        elif args.command == "inspect":
+            from coalesced_int4.serialization.convert import inspect_checkpoint
+
+            print(inspect_checkpoint(args.path, args.error))
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

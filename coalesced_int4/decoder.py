@@ -1,0 +1,209 @@
+"""A small Llama-style decoder for the demo and the decode benchmark (gpt-fast style).
+
+RMSNorm, rotary attention with grouped KV heads and a static bf16 KV cache, SwiGLU MLP, tied
+nothing. Every linear has K a multiple of 256 so all of them quantize. Weights are random and
+seeded: the model is for measuring speed and agreement, not for reading its text.
+
+``generate(model, prompt, new_tokens)`` runs one prefill step and then one decode step per
+token (greedy); ``decode_step`` is the function to compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int = 2048
+    dim: int = 256
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    intermediate_size: int = 768
+    max_seq_len: int = 256
+    rope_base: float = 500_000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+DEMO = DecoderConfig()
+LLAMA3_8B = DecoderConfig(
+    vocab_size=128_256,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    intermediate_size=14_336,
+    max_seq_len=512,
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, config: DecoderConfig, dtype: torch.dtype, device):
+        super().__init__()
+        shape = (batch, config.n_kv_heads, config.max_seq_len, config.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), False)
+
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        qkv_dim = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, rope, mask, positions):
+        c = self.config
+        batch, seq, _ = x.shape
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(q.view(batch, seq, c.n_heads, c.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(batch, seq, c.n_kv_heads, c.head_dim), rope).transpose(1, 2)
+        v = v.view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        k, v = self.kv_cache.update(positions, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=c.n_heads != c.n_kv_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, c.dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, rope, mask, positions):
+        h = x + self.attention(self.attention_norm(x), rope, mask, positions)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer("rope", None, persistent=False)
+        self.register_buffer("causal_mask", None, persistent=False)
+
+    def setup_cache(self, batch: int) -> None:
+        """(Re)build the rotary table and causal mask and a zeroed KV cache per layer for
+        ``batch`` sequences, on the device of the embeddings (call after loading weights)."""
+        c, weight = self.config, self.tok_embeddings.weight
+        self.rope = rope_table(c).to(weight.device)
+        mask = torch.ones(c.max_seq_len, c.max_seq_len, dtype=torch.bool, device=weight.device)
+        self.causal_mask = mask.tril()
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch, c, weight.dtype, weight.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) for ``tokens`` (batch, seq) at ``positions`` (seq,); needs
+        ``setup_cache`` first."""
+        mask = self.causal_mask[None, None, positions]
+        rope = self.rope[positions]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, rope, mask, positions)
+        return self.output(self.norm(x)).float()
+
+
+def rope_table(config: DecoderConfig) -> torch.Tensor:
+    half = config.head_dim // 2
+    freqs = 1.0 / (config.rope_base ** (torch.arange(half).float() / half))
+    angles = torch.outer(torch.arange(config.max_seq_len).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # (seq, half, 2)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope.view(1, pairs.size(1), 1, pairs.size(3), 2)
+    real = pairs[..., 0] * rope[..., 0] - pairs[..., 1] * rope[..., 1]
+    imag = pairs[..., 1] * rope[..., 0] + pairs[..., 0] * rope[..., 1]
+    return torch.stack([real, imag], dim=-1).flatten(3).type_as(x)
+
+
+def build_decoder(
+    config: DecoderConfig = DEMO,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+) -> Decoder:
+    """A decoder with seeded random weights (std 0.02 linears, unit norms)."""
+    with torch.device(device):
+        model = Decoder(config).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def decode_step(model: Decoder, token: torch.Tensor, position: torch.Tensor):
+    """Logits of the next token for ``token`` (batch, 1) at ``position`` (1,)."""
+    return model(token, position)[:, -1]
+
+
+@torch.no_grad()
+def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, step=decode_step):
+    """Greedy tokens (batch, new_tokens) after ``prompt`` (batch, len); ``step`` runs each
+    decode step (pass a compiled ``decode_step``). Returns tokens and the per-step logits."""
+    batch, length = prompt.shape
+    device = prompt.device
+    model.setup_cache(batch)
+    logits = model(prompt, torch.arange(length, device=device))[:, -1]
+    tokens, all_logits = [], [logits]
+    token = logits.argmax(-1, keepdim=True)
+    for i in range(new_tokens - 1):
+        tokens.append(token)
+        position = torch.tensor([length + i], device=device)
+        logits = step(model, token, position)
+        all_logits.append(logits)
+        token = logits.argmax(-1, keepdim=True)
+    tokens.append(token)
+    return torch.cat(tokens, dim=1), torch.stack(all_logits, dim=1)

@@ -1,0 +1,79 @@
+"""``F.linear(x, w)`` with ``w`` a ``CudaCoalescedInt4Tensor``.
+
+1. ``x`` is flattened to ``(M, K)``.
+2. If the kernels can run on it (``can_launch_triton``), the smallest bucket of
+   ``INT4_QUANTIZED_GEMM`` whose op supports the arguments is called: a static ``M`` within
+   ``[1, bucket]``, or a symbolic ``M`` provably so.
+3. Otherwise the weight is dequantized exactly (fp32), rounded once to the activation dtype
+   and multiplied with ``F.linear``, in chunks of 32,768 rows above 65,536 rows so a huge
+   ``lm_head`` never builds a multi-GiB dense temporary. (The reference rounds every step of
+   the dequantization to bf16 instead: five times the weight error, 0.77 % instead of 0.28 %
+   mean output error on Gaussian weights.)
+4. The bias is added in the activation dtype; the output has shape ``(*x.shape[:-1], N)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from coalesced_int4.quantize import PackedInt4, dequantize_packed
+
+DEQUANT_N_THRESHOLD = 65_536
+DEQUANT_N_CHUNK = 32_768
+
+
+def quantized_linear(
+    x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    n, k = weight.shape
+    x_2d = x.reshape(-1, k)
+    weight_args = (*weight.packed, weight.group_size)
+    bucket = select_bucket(x_2d, weight_args)
+    if bucket is None:
+        out = dequant_linear(x_2d, weight.packed)
+    else:
+        from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
+
+        out = INT4_QUANTIZED_GEMM.op(bucket)(x_2d, *weight_args)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+def can_launch_triton(x: torch.Tensor) -> bool:
+    """A real CUDA activation, or a fake one while exporting (the exported program runs the
+    kernels wherever it is loaded, whatever device the example inputs were on). A CPU model
+    under ``torch.compile`` keeps the fallback, which Inductor compiles for the CPU."""
+    return x.is_cuda or (is_fake(x) and torch.compiler.is_exporting())
+
+
+def select_bucket(x_2d: torch.Tensor, weight_args: tuple) -> Optional[int]:
+    """The smallest bucket whose op takes these arguments, or None."""
+    if not can_launch_triton(x_2d):
+        return None
+    from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
+
+    for bucket in INT4_QUANTIZED_GEMM.buckets:
+        if INT4_QUANTIZED_GEMM.supports(bucket, x_2d, *weight_args):
+            return bucket
+    return None
+
+
+def dequant_linear(x_2d: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
+    """``F.linear(x, w.dequantize(x.dtype))``, chunked along N for very tall weights."""
+    n = packed.qdata.shape[0]
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        part = PackedInt4(*(t[start:end] for t in packed))
+        return F.linear(x_2d, dequantize_packed(part, torch.float32).to(x_2d.dtype))
+
+    if n <= DEQUANT_N_THRESHOLD:
+        return rows(0, n)
+    return torch.cat(
+        [rows(s, min(s + DEQUANT_N_CHUNK, n)) for s in range(0, n, DEQUANT_N_CHUNK)],
+        dim=-1,
+    )

@@ -1,0 +1,165 @@
+"""Converting a Hugging Face safetensors checkpoint, and inspecting one of ours.
+
+``convert_checkpoint(src, dst)`` streams the source one tensor at a time: a tensor is quantized
+when it is a 2-D floating ``*.weight`` whose K is a multiple of 256, its name matches an
+``include`` pattern and no ``exclude`` pattern (fnmatch; embeddings are excluded by default,
+since only linear weights may be quantized); everything else is copied as it is. Output shards
+are flushed as they fill, so peak memory is about one source shard plus one output shard.
+``config.json``, ``generation_config.json`` and tokenizer files are copied along.
+
+``inspect_checkpoint(path)`` summarises a checkpoint of ours, and with a dense source
+checkpoint, the per-layer dequantization SNR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from coalesced_int4.quantize import quantize_weight, unpackable_reason
+from coalesced_int4.serialization.format import FORMAT_VERSION, CheckpointError
+from coalesced_int4.serialization.reader import load_state_dict, checkpoint_files
+from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
+from coalesced_int4.tensor import CudaCoalescedInt4Tensor
+
+DEFAULT_EXCLUDE = ("*embed*",)
+_SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+@dataclasses.dataclass
+class ConversionSummary:
+    quantized: int = 0
+    copied: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    files: List[Path] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        ratio = self.bytes_in / max(self.bytes_out, 1)
+        return (
+            f"{self.quantized} tensors quantized, {self.copied} copied; "
+            f"{self.bytes_in / 2**20:.1f} MiB -> {self.bytes_out / 2**20:.1f} MiB "
+            f"({ratio:.2f}x smaller) in {self.seconds:.1f} s, {len(self.files)} files"
+        )
+
+
+def source_files(src: Path) -> List[Path]:
+    """The safetensors files of a Hugging Face checkpoint (file, index, or directory)."""
+    if src.is_file():
+        return [src]
+    if (src / INDEX_FILE).exists():
+        return checkpoint_files(src)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{src}: no .safetensors files")
+    return files
+
+
+def should_quantize(
+    name: str, tensor_shape: Sequence[int], dtype: torch.dtype,
+    include: Sequence[str], exclude: Sequence[str],
+) -> bool:
+    if not name.endswith(".weight") or not dtype.is_floating_point:
+        return False
+    if unpackable_reason(torch.empty(tensor_shape, dtype=dtype, device="meta")) is not None:
+        return False
+    matches = lambda patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)  # noqa: E731
+    return matches(include) and not matches(exclude)
+
+
+def _source_tensors(files: List[Path]) -> Iterator[Tuple[Path, str, "safe_open"]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield file, name, handle
+        except SafetensorError as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})")
+
+
+def convert_checkpoint(
+    src: Union[str, Path],
+    dst: Union[str, Path],
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    device: Union[str, torch.device] = "cpu",
+    max_shard_size: Union[int, str] = "5GB",
+) -> ConversionSummary:
+    src, dst = Path(src), Path(dst)
+    files = source_files(src)
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            total += len(handle.keys())
+    summary = ConversionSummary()
+    start = time.perf_counter()
+    with ShardWriter(dst, max_shard_size, {"source": src.name}) as writer:
+        progress = tqdm(total=total, desc="quantizing", unit="tensor", disable=None)
+        for file, name, handle in _source_tensors(files):
+            tensor = handle.get_tensor(name)
+            summary.bytes_in += tensor.numel() * tensor.element_size()
+            if should_quantize(name, tensor.shape, tensor.dtype, include, exclude):
+                packed = quantize_weight(tensor.to(device))
+                writer.add(name, CudaCoalescedInt4Tensor.from_packed(packed))
+                summary.quantized += 1
+            else:
+                writer.add(name, tensor)
+                summary.copied += 1
+            progress.update()
+        progress.close()
+        summary.files = writer.commit()
+    summary.bytes_out = writer.total_bytes
+    if src.is_dir():
+        for side in src.iterdir():
+            if side.is_file() and (side.name in _SIDE_FILES or side.name.startswith("tokenizer")):
+                shutil.copy2(side, dst / side.name)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def inspect_checkpoint(path: Union[str, Path], dense_source: Optional[Union[str, Path]] = None) -> str:
+    """A printable report: format, counts, bytes, bits per weight, optional per-layer SNR."""
+    state = load_state_dict(path)
+    quantized = {k: v for k, v in state.items() if isinstance(v, CudaCoalescedInt4Tensor)}
+    plain = {k: v for k, v in state.items() if k not in quantized}
+    q_bytes = sum(t.numel() * t.element_size() for v in quantized.values() for t in v.packed)
+    q_weights = sum(v.shape.numel() for v in quantized.values())
+    p_bytes = sum(v.numel() * v.element_size() for v in plain.values())
+    lines = [
+        f"checkpoint: {path} (format_version {FORMAT_VERSION}, {len(checkpoint_files(path))} files)",
+        f"quantized weights: {len(quantized)} ({q_weights:,} weights, {q_bytes / 2**20:.2f} MiB, "
+        f"{8 * q_bytes / max(q_weights, 1):.4f} bits per weight)",
+        f"plain tensors: {len(plain)} ({p_bytes / 2**20:.2f} MiB)",
+        f"total: {(q_bytes + p_bytes) / 2**20:.2f} MiB",
+    ]
+    if dense_source is not None:
+        lines.append("per-layer dequantization SNR against the dense source:")
+        for name, snr in layer_snr(quantized, source_files(Path(dense_source))).items():
+            lines.append(f"  {name}: {snr:.2f} dB")
+    return "\n".join(lines)
+
+
+def layer_snr(quantized: Dict[str, CudaCoalescedInt4Tensor], dense_files: List[Path]) -> Dict[str, float]:
+    """10*log10(|w|^2 / |w - dequant(w)|^2) per quantized weight found in the dense files."""
+    result = {}
+    for _, name, handle in _source_tensors(dense_files):
+        if name in quantized:
+            dense = handle.get_tensor(name).double()
+            error = dense - quantized[name].dequantize(torch.float32).double()
+            result[name] = 10 * math.log10(dense.pow(2).sum() / error.pow(2).sum().clamp_min(1e-300))
+    missing = sorted(set(quantized) - set(result))
+    if missing:
+        raise CheckpointError(f"dense source lacks {len(missing)} quantized tensors, e.g. {missing[0]!r}")
+    return dict(sorted(result.items()))

@@ -1,0 +1,238 @@
+"""``CudaCoalescedInt4Tensor``: an ``(N, K)`` weight stored in the coalesced INT4 format.
+
+The tensor is a torchao ``TorchAOBaseTensor`` wrapper whose dtype is the activation dtype
+(bf16 by default) and whose data are the five tensors of :class:`~coalesced_int4.quantize.PackedInt4`
+(layout in docs/format.md). It is an inference format: ``requires_grad`` is always False.
+
+Ops it handles (the table below is complete):
+
+* ``F.linear`` / ``aten.linear``: the bucketed INT4 GEMM or the dequant fallback
+  (``coalesced_int4.dispatch``);
+* ``detach``, ``alias``, ``clone``, ``contiguous``, ``_to_copy`` (``.to(device)``), ``copy_``
+  between tensors of equal metadata: applied to the five stored tensors (torchao's defaults);
+* ``slice`` (so ``narrow`` too) along N at any row range, and along K at multiples of 256,
+  returning views, so tensor parallelism can shard a weight in place.
+
+Any other op raises ``NotImplementedError`` naming it and pointing at ``dequantize()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+from torchao.utils import TorchAOBaseTensor, fill_defaults
+
+from coalesced_int4.dispatch import quantized_linear
+from coalesced_int4.quantize import (
+    GROUP_SIZE,
+    SUPER_BLOCK,
+    PackedInt4,
+    dequantize_packed,
+    encode_superscale,
+    quantize_weight,
+)
+
+__all__ = ["CudaCoalescedInt4Tensor"]
+
+aten = torch.ops.aten
+
+
+class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
+    """INT4 codes with per-32 uint8 scale/zero codes and per-256 fp16 steps.
+
+    ``w[n, k] = (q[n,k] - zero_point[n,g] * zero_point_step[n,b]) * (scale[n,g] * scale_step[n,b])``
+    with ``g = k // 32`` and ``b = k // 256``.
+    """
+
+    tensor_data_names = list(PackedInt4._fields)
+    tensor_attribute_names = ["block_size", "shape"]
+    optional_tensor_attribute_names = ["activation_dtype"]
+
+    def __new__(
+        cls,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        scale_step: torch.Tensor,
+        zero_point: torch.Tensor,
+        zero_point_step: torch.Tensor,
+        block_size: List[int],
+        shape: torch.Size,
+        activation_dtype: Optional[torch.dtype] = None,
+    ):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            device=qdata.device,
+            dtype=activation_dtype or torch.bfloat16,
+            requires_grad=False,
+        )
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        scale_step: torch.Tensor,
+        zero_point: torch.Tensor,
+        zero_point_step: torch.Tensor,
+        block_size: List[int],
+        shape: torch.Size,
+        activation_dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        self.qdata = qdata
+        self.scale = scale
+        self.scale_step = scale_step
+        self.zero_point = zero_point
+        self.zero_point_step = zero_point_step
+        self.block_size = list(block_size)
+        self.activation_dtype = activation_dtype or torch.bfloat16
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_packed(
+        cls, packed: PackedInt4, activation_dtype: Optional[torch.dtype] = None
+    ) -> "CudaCoalescedInt4Tensor":
+        n, k_half = packed.qdata.shape
+        return cls(
+            *packed,
+            block_size=[1, GROUP_SIZE],
+            shape=torch.Size((n, 2 * k_half)),
+            activation_dtype=activation_dtype,
+        )
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        group_size: int = GROUP_SIZE,
+        method: str = "min_max",
+        activation_dtype: Optional[torch.dtype] = None,
+    ) -> "CudaCoalescedInt4Tensor":
+        """Quantize a dense 2-D float weight (any device; the result stays there)."""
+        return cls.from_packed(
+            quantize_weight(weight.detach(), group_size, method), activation_dtype
+        )
+
+    @classmethod
+    def from_int4_tensor(cls, weight) -> "CudaCoalescedInt4Tensor":
+        """Re-encode a torchao ``Int4Tensor`` whose dequantization is
+        ``scale * (q - zero_point)`` with integer zero points in [0, 15] (the asymmetric
+        min_max convention): transpose scale and zero to ``(N, K/32)``, superscale-encode
+        both, keep ``qdata`` byte for byte."""
+        n, k = weight.shape
+        group_size = int(weight.block_size[-1])
+        if weight.qdata.dim() != 2 or group_size != GROUP_SIZE or k % SUPER_BLOCK:
+            raise ValueError(
+                "from_int4_tensor needs a 2-D Int4Tensor with block_size [1, 32] and K a "
+                f"multiple of {SUPER_BLOCK}, got shape {tuple(weight.shape)} and "
+                f"block_size {list(weight.block_size)}"
+            )
+        zero = weight.zero_point.float()
+        if ((zero != zero.round()) | (zero < 0) | (zero > 15)).any():
+            raise ValueError(
+                "from_int4_tensor needs integer zero points in [0, 15] "
+                "(dequantization scale * (q - zero_point)); this Int4Tensor uses another "
+                "convention"
+            )
+        scale_codes, scale_step = encode_superscale(weight.scale.t())
+        zero_codes, zero_step = encode_superscale(weight.zero_point.t())
+        packed = PackedInt4(
+            weight.qdata.contiguous(), scale_codes, scale_step, zero_codes, zero_step
+        )
+        return cls.from_packed(packed)
+
+    # ------------------------------------------------------------------ views of the data
+    @property
+    def packed(self) -> PackedInt4:
+        return PackedInt4(*(getattr(self, name) for name in self.tensor_data_names))
+
+    @property
+    def group_size(self) -> int:
+        return self.block_size[-1]
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense ``(N, K)`` weight, computed exactly in fp32 and cast to ``dtype``."""
+        return dequantize_packed(self.packed, torch.float32).to(dtype)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Cache identity for torch.compile's AOT autograd cache: the metadata, not the data."""
+        parts = [type(self).__qualname__, str(self.block_size), str(tuple(self.shape)),
+                 str(self.activation_dtype)]
+        for t in self.packed:
+            parts.append(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.storage_offset()}{t.device.type}")
+        return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+    def _quantization_type(self) -> str:
+        return (
+            f"shape={tuple(self.shape)}, block_size={self.block_size}, "
+            f"device={self.device}, activation_dtype={self.activation_dtype}"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._quantization_type()})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        table = cls._ATEN_OP_TABLE[cls]
+        if func not in table:
+            raise NotImplementedError(
+                f"{cls.__name__} does not implement {func}; supported: linear, detach, "
+                "alias, clone, contiguous, _to_copy (.to), copy_, slice/narrow. "
+                "Call .dequantize() for a dense tensor first."
+            )
+        return table[func](func, types, args, kwargs or {})
+
+
+implements = CudaCoalescedInt4Tensor.implements
+implements_torch_function = CudaCoalescedInt4Tensor.implements_torch_function
+
+
+@implements(aten.linear.default)
+@implements_torch_function([F.linear, aten.linear, aten.linear.default])
+def _linear(func, types, args, kwargs):
+    x, weight, bias = fill_defaults(args, 3, [None])
+    return quantized_linear(x, weight, kwargs.get("bias", bias))
+
+
+@implements(aten.slice.Tensor)
+def _slice(func, types, args, kwargs):
+    weight, dim, start, end, step = fill_defaults(args, 5, [0, None, None, 1])
+    n, k = weight.shape
+    dim = dim % 2
+    start, end, _ = slice(start, end).indices(weight.shape[dim])
+    if step != 1:
+        raise NotImplementedError(
+            f"{type(weight).__name__} slices with step 1 only, got step={step}"
+        )
+    if dim == 0:
+        new_shape = (end - start, k)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[start:end]
+
+    else:
+        if start % SUPER_BLOCK or end % SUPER_BLOCK:
+            raise NotImplementedError(
+                f"{type(weight).__name__} slices K at multiples of {SUPER_BLOCK} only, "
+                f"got [{start}, {end}) of K={k}"
+            )
+        new_shape = (n, end - start)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            per_column = k // t.shape[1]  # 2 for qdata, 32 for codes, 256 for steps
+            return t[:, start // per_column : end // per_column]
+
+    result = CudaCoalescedInt4Tensor(
+        *map(take, weight.packed),
+        block_size=weight.block_size,
+        shape=torch.Size(new_shape),
+        activation_dtype=weight.activation_dtype,
+    )
+    return return_and_correct_aliasing(func, args, kwargs, result)
+
+
+torch.serialization.add_safe_globals([CudaCoalescedInt4Tensor])

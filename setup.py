@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="coalesced-int4",
+    version="0.1.0",
+    description="INT4 weight-only quantization with decode-speed Triton GEMMs for NVIDIA GPUs",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["coalesced_int4", "coalesced_int4.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11",
+        "triton; platform_system == 'Linux'",
+        "torchao>=0.17",
+        "safetensors",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest", "psutil"]},
+    entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
+)

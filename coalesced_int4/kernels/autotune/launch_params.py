@@ -1,0 +1,202 @@
+"""Timing launch parameters (split-K) per shape: ``autotune_launch_param``.
+
+A launcher decorated with ``@autotune_launch_param("split_k", candidates)`` runs with the
+first candidate, or the value passed explicitly, unless an ``autotune_launch_params()``
+context is active. Inside it, the first call for a shape times every candidate on random
+stand-ins of the arguments (real tensors even while tracing with fake ones): each candidate
+runs once (letting its Triton autotuner pick a config; an illegal one raises
+``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
+graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
+value. The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
+scalar arguments); the context's ``LaunchParamStats`` records what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import inspect
+import logging
+import statistics
+import threading
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
+
+logger = logging.getLogger(__name__)
+
+ROUNDS = 3
+TIE_RATIO = 1.02
+
+
+class InvalidLaunchParam(ValueError):
+    """A launch parameter value that is illegal for these arguments (e.g. too many splits)."""
+
+
+@dataclasses.dataclass
+class LaunchParamPick:
+    function: str
+    param: str
+    times_us: Dict[Any, float]
+    rejected: Dict[Any, str]
+    choice: Any
+
+
+@dataclasses.dataclass
+class LaunchParamStats:
+    measured: int = 0
+    cache_hits: int = 0
+    out_of_memory: int = 0
+    picks: List[LaunchParamPick] = dataclasses.field(default_factory=list)
+
+
+_state = threading.local()
+_cache: Dict[tuple, Any] = {}
+_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def autotune_launch_params():
+    """Time launch parameters while active; yields the ``LaunchParamStats``. Nestable."""
+    previous = getattr(_state, "stats", None)
+    _state.stats = stats = LaunchParamStats()
+    try:
+        yield stats
+    finally:
+        _state.stats = previous
+
+
+def clear_launch_param_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def _hint(value):
+    """A SymInt's example value (its hint); anything else as it is."""
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
+    return value
+
+
+def _arg_key(value) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(_hint(s) for s in value.shape), tuple(_hint(s) for s in value.stride()),
+                str(value.dtype))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _stand_in(value):
+    """A real tensor with the shape, strides, dtype and device of ``value``, random data."""
+    if not isinstance(value, torch.Tensor):
+        return _hint(value)
+    shape = [_hint(s) for s in value.shape]
+    stride = [_hint(s) for s in value.stride()]
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    flat = torch.empty(span, dtype=value.dtype, device=value.device)
+    if value.dtype.is_floating_point:
+        flat.normal_(0.0, 0.5)
+    elif value.dtype == torch.bool:
+        flat.zero_()
+    else:
+        info = torch.iinfo(value.dtype)
+        flat.random_(max(info.min, -128), min(info.max, 127) + 1)
+    return flat.as_strided(shape, stride)
+
+
+def autotune_launch_param(param: str, candidates: Sequence[Any]):
+    if not candidates:
+        raise ValueError("autotune_launch_param needs at least one candidate")
+    candidates = tuple(candidates)
+
+    def decorate(fn: Callable) -> Callable:
+        name = f"{fn.__module__}.{fn.__qualname__}"
+        signature = inspect.signature(fn)
+        if param not in signature.parameters:
+            raise TypeError(f"{name} has no parameter '{param}'")
+        token = object()
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            stats = getattr(_state, "stats", None)
+            if param in kwargs or stats is None or len(candidates) == 1:
+                kwargs.setdefault(param, candidates[0])
+                return fn(*args, **kwargs)
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if not tensors:
+                raise ValueError("autotune_launch_param needs a tensor argument to time on")
+            device = tensors[0].device
+            key = (token, torch.cuda.get_device_name(device),
+                   tuple(_arg_key(a) for a in args),
+                   tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())))
+            with _lock:
+                if key in _cache:
+                    stats.cache_hits += 1
+                    choice = _cache[key]
+                else:
+                    choice = _measure(fn, name, param, candidates, args, kwargs, stats)
+                    if choice is not None:
+                        _cache[key] = choice
+            return fn(*args, **{**kwargs, param: candidates[0] if choice is None else choice})
+
+        wrapper.launch_param = param
+        wrapper.launch_candidates = candidates
+        return wrapper
+
+    return decorate
+
+
+def _measure(fn, name, param, candidates, args, kwargs, stats):
+    """Time every candidate; the pick, or None after running out of memory twice."""
+    from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
+    from torch._library.triton import set_wrap_triton_enabled
+
+    for attempt in range(2):
+        try:
+            with unset_fake_temporarily(), _disable_current_modes(), set_wrap_triton_enabled(False):
+                real_args = [_stand_in(a) for a in args]
+                real_kwargs = {k: _stand_in(v) for k, v in kwargs.items()}
+                device = next(a for a in real_args if isinstance(a, torch.Tensor)).device
+                outer = torch.cuda.current_stream(device)
+                side = torch.cuda.Stream(device)
+                side.wait_stream(outer)
+                with torch.cuda.stream(side):
+                    legal, rejected = [], {}
+                    for value in candidates:
+                        try:
+                            fn(*real_args, **{**real_kwargs, param: value})
+                            legal.append(value)
+                        except InvalidLaunchParam as error:
+                            rejected[value] = str(error)
+                    if not legal:
+                        raise ValueError(f"{name}: no legal {param} among {candidates}: {rejected}")
+                    samples = {value: [] for value in legal}
+                    for _ in range(ROUNDS):
+                        for value in legal:
+                            call = functools.partial(fn, *real_args, **{**real_kwargs, param: value})
+                            samples[value].append(time_with_cuda_graph_us(call))
+                outer.wait_stream(side)
+            break
+        except torch.OutOfMemoryError:
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    else:
+        logger.warning("%s: out of device memory while timing %s candidates; using %s=%s",
+                       name, param, param, candidates[0])
+        stats.out_of_memory += 1
+        return None
+    times = {value: statistics.median(t) for value, t in samples.items()}
+    fastest = min(times.values())
+    choice = min(value for value, t in times.items() if t <= fastest * TIE_RATIO)
+    stats.measured += 1
+    stats.picks.append(LaunchParamPick(name, param, times, rejected, choice))
+    logger.info("%s: %s=%s (%s)", name, param, choice,
+                ", ".join(f"{v}: {t:.1f} us" for v, t in times.items()))
+    return choice

@@ -1,0 +1,114 @@
+"""The INT4 GEMM op family: ``torch.ops.coalesced_int4.int4_quantized_gemm_m{b}``.
+
+``(x (M, K) bf16, qdata, scale, scale_step, zero_point, zero_point_step, group_size) ->
+(M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
+8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
+(``BUCKET_KERNELS[b]``, key N, K, SPLIT_K) over ``int4_autotune_configs(b)``, pruned by
+``prune_int4_configs``. The split-K is a launch parameter: the first candidate (1) unless
+given, or timed per shape inside ``autotune_launch_params()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
+from coalesced_int4.kernels.family import QuantizedGemmFamily, use_interpreter_paths
+from coalesced_int4.kernels.rules import (
+    SPLIT_K_CANDIDATES,
+    SUPPORTED_BUCKETS,
+    TILE_SPLIT_K_CANDIDATES,
+    W4A8_BUCKETS,
+    check_split_k,
+    int4_autotune_configs,
+    prune_int4_configs,
+    unsupported_reason,
+)
+from coalesced_int4.kernels.w4a8 import _w4a8_kernel, launch_w4a8
+from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
+
+AUTOTUNE_KEY = ["N", "K", "SPLIT_K"]
+
+
+def _jit_kernel(bucket: int):
+    return _w4a8_kernel if bucket in W4A8_BUCKETS else _w4a16_kernel
+
+
+def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
+    return triton.autotune(
+        configs=configs, key=AUTOTUNE_KEY,
+        prune_configs_by={"early_config_prune": prune_int4_configs},
+    )(_jit_kernel(bucket))
+
+
+BUCKET_KERNELS = {b: _autotuner(b, int4_autotune_configs(b)) for b in SUPPORTED_BUCKETS}
+"""The autotuner of each bucket (looked up at launch time, so tests may patch entries)."""
+
+
+@functools.lru_cache(maxsize=None)
+def single_config_kernel(bucket: int, config: triton.Config) -> triton.runtime.Autotuner:
+    """An autotuner holding only ``config``, around the bucket's JIT function (compiled
+    binaries are shared with the full autotuner)."""
+    return _autotuner(bucket, [config])
+
+
+def _kernel(bucket: int, k: int, split_k: int, config: Optional[triton.Config]):
+    if config is None and use_interpreter_paths():
+        # The interpreter cannot time configs: run the first one the prune rule keeps.
+        config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "SPLIT_K": split_k})[0]
+    return BUCKET_KERNELS[bucket] if config is None else single_config_kernel(bucket, config)
+
+
+@autotune_launch_param("split_k", SPLIT_K_CANDIDATES)
+def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                 dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
+    k = x.shape[1]
+    check_split_k(split_k, k)
+    return launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                       split_k=split_k, kernel=_kernel(bucket, k, split_k, config))
+
+
+@autotune_launch_param("split_k", TILE_SPLIT_K_CANDIDATES)
+def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                  dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
+    k = x.shape[1]
+    check_split_k(split_k, k)
+    return launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                        split_k=split_k, kernel=_kernel(bucket, k, split_k, config))
+
+
+def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step,
+           group_size: int, **launch_params) -> torch.Tensor:
+    """Run bucket ``bucket`` (no validation: the op validates first). ``launch_params``:
+    ``split_k=`` and ``config=`` (one triton.Config instead of autotuning)."""
+    # Whether M is symbolic is read here, before timing swaps in concrete stand-ins, and
+    # passed positionally so dynamic and static M are timed and cached apart.
+    dynamic_m = not isinstance(x.shape[0], int)
+    launcher = _launch_w4a8 if bucket in W4A8_BUCKETS else _launch_w4a16
+    return launcher(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                    dynamic_m, **launch_params)
+
+
+def _fake(bucket: int, x, qdata, *_):
+    return torch.empty((x.shape[0], qdata.shape[0]), dtype=torch.bfloat16, device=x.device)
+
+
+def _prototype(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    scale_step: torch.Tensor,
+    zero_point: torch.Tensor,
+    zero_point_step: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    raise NotImplementedError
+
+
+INT4_QUANTIZED_GEMM = QuantizedGemmFamily(
+    "int4_quantized_gemm", SUPPORTED_BUCKETS, _prototype, launch, _fake, unsupported_reason
+)

@@ -1,0 +1,150 @@
+"""The rules of the INT4 GEMM ops, each written once: which arguments a bucket takes
+(``unsupported_reason``), which split-K is legal (``check_split_k``), the autotune config
+spaces and their prune rule. The kernels, the op family, the dispatch and the tests all call
+these functions.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from coalesced_int4.kernels.autotune.launch_params import InvalidLaunchParam
+from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK
+
+SUPPORTED_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
+W4A8_BUCKETS = (1, 2, 3, 4)
+"""Decode buckets: activations quantized to int8, dot products on dp4a."""
+W4A16_BUCKETS = (8, 16, 32, 64)
+"""Small-batch buckets: weights decoded to bf16, dot products on tensor cores."""
+SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16)
+"""Split-K values timed for the W4A8 buckets."""
+TILE_SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16, 32)
+"""Split-K values timed for the W4A16 buckets (narrow N keeps gaining from more splits)."""
+
+_ALLOWED_DTYPES = (
+    ("activation", 0, (torch.bfloat16,)),
+    ("qdata", 1, (torch.uint8, torch.int8)),
+    ("scale codes", 2, (torch.uint8,)),
+    ("zero codes", 4, (torch.uint8,)),
+    ("scale_step", 3, (torch.float16,)),
+    ("zero_point_step", 5, (torch.float16,)),
+)
+
+
+def unsupported_reason(
+    bucket: int,
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    scale_step: torch.Tensor,
+    zero_point: torch.Tensor,
+    zero_point_step: torch.Tensor,
+    group_size: int,
+) -> Optional[str]:
+    """Why ``int4_quantized_gemm_m{bucket}`` cannot take these arguments, or None. Rules are
+    checked in a fixed order and the first failing one is reported; never raises."""
+    tensors = (x, qdata, scale, scale_step, zero_point, zero_point_step)
+    if x.dim() != 2 or qdata.dim() != 2:
+        return "expects a rank-2 activation and qdata"
+    for name, index, allowed in _ALLOWED_DTYPES:
+        dtype = tensors[index].dtype
+        if dtype not in allowed:
+            names = "/".join(str(d).removeprefix("torch.") for d in allowed)
+            return f"{name} must be {names}, got {str(dtype).removeprefix('torch.')}"
+    if group_size != GROUP_SIZE:
+        return f"group_size must be {GROUP_SIZE}, got {group_size}"
+    m, k = x.shape
+    if not isinstance(k, int):
+        return "K must be static"
+    if k % SUPER_BLOCK:
+        return f"K must be a multiple of {SUPER_BLOCK}, got {k}"
+    if isinstance(m, int):
+        if not 1 <= m <= bucket:
+            return f"static M must be within [1, {bucket}], got {m}"
+    elif not (statically_known_true(m >= 1) and statically_known_true(m <= bucket)):
+        return f"dynamic M is not provably within [1, {bucket}]"
+    if not all(t.is_contiguous() for t in tensors):
+        return "inputs must be contiguous"
+    if not (x.is_cuda or is_fake(x)):
+        return "activation must be on a CUDA device (or fake while tracing)"
+    if any(t.device != x.device for t in tensors[1:]):
+        return "activation and weights must be on the same device"
+    n = qdata.shape[0]
+    if qdata.shape[1] * 2 != k:
+        return f"qdata K/2 mismatch: x K={k}, qdata K/2={qdata.shape[1]}"
+    if tuple(scale.shape) != (n, k // GROUP_SIZE) or tuple(zero_point.shape) != (n, k // GROUP_SIZE):
+        return "scale/zero shape does not match [N, K/32]"
+    if tuple(scale_step.shape) != (n, k // SUPER_BLOCK) or tuple(zero_point_step.shape) != (
+        n,
+        k // SUPER_BLOCK,
+    ):
+        return "step shape does not match [N, K/256]"
+    return None
+
+
+def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
+    """A split needs at least one super-block of K: ``1 <= split_k <= K // 256``."""
+    if not 1 <= split_k <= k // unit:
+        raise InvalidLaunchParam(f"split_k={split_k} needs K >= {split_k * unit}, got K={k}")
+
+
+def split_range(split: int, split_k: int, super_blocks: int):
+    """Super-blocks ``[start, start + count)`` of split ``split`` in the balanced partition:
+    the first ``super_blocks % split_k`` splits take one extra. (Host-side mirror of the
+    kernels' ``_split_bounds``, for the tests.)"""
+    base, extra = divmod(super_blocks, split_k)
+    start = split * base + min(split, extra)
+    return start, base + (split < extra)
+
+
+# ------------------------------------------------------------------ autotune config spaces
+W4A8_TILES = ((8, 16, 4), (8, 32, 4), (16, 16, 4), (16, 32, 4), (32, 16, 4), (32, 32, 8),
+              (64, 16, 8), (64, 32, 8))
+"""(BLOCK_N, GROUPS, num_warps): output columns per program, groups of 32 weights per
+main-loop trip, warps per program."""
+W4A8_STAGES = (1, 2)
+W4A16_BLOCK_N = (32, 64, 128)
+W4A16_WARPS = (4, 8)
+W4A16_STAGES = (1, 2, 3)
+
+
+def int4_autotune_configs(bucket: int) -> List[triton.Config]:
+    """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages.
+    W4A16: BLOCK_M is the bucket (one tile holds every row, so the weights are decoded once)
+    x BLOCK_N x warps x stages, 18 configs."""
+    if bucket in W4A8_BUCKETS:
+        return [
+            triton.Config({"BLOCK_N": n, "GROUPS": g, "STAGES": s}, num_warps=w, num_stages=s)
+            for n, g, w in W4A8_TILES
+            for s in W4A8_STAGES
+        ]
+    if bucket in W4A16_BUCKETS:
+        return [
+            triton.Config({"BLOCK_N": n, "STAGES": s}, num_warps=w, num_stages=s)
+            for n in W4A16_BLOCK_N
+            for w in W4A16_WARPS
+            for s in W4A16_STAGES
+        ]
+    raise ValueError(f"no autotune space for bucket {bucket}; buckets are {SUPPORTED_BUCKETS}")
+
+
+def main_loop_trips(config: triton.Config, k: int, split_k: int) -> int:
+    """Trips of a program's K loop: super-blocks of the largest split, in steps of the
+    config's GROUPS/8 super-blocks (W4A8) or one super-block (W4A16)."""
+    super_blocks = -(-(k // SUPER_BLOCK) // split_k)
+    per_trip = max(1, config.kwargs.get("GROUPS", 8) // 8)
+    return max(1, -(-super_blocks // per_trip))
+
+
+def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwargs) -> list:
+    """Triton ``early_config_prune``: keep configs whose pipeline depth fits the main loop
+    (``STAGES <= trips``); if none does, the one with the fewest stages."""
+    args = {**named_args, **kwargs}
+    k, split_k = args["K"], args.get("SPLIT_K", 1)
+    kept = [c for c in configs if c.kwargs.get("STAGES", 1) <= main_loop_trips(c, k, split_k)]
+    return kept or [min(configs, key=lambda c: c.kwargs.get("STAGES", 1))]

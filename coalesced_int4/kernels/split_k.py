@@ -1,0 +1,68 @@
+"""The launch skeleton shared by every INT4 GEMM, and the deterministic split-K reduction.
+
+With ``SPLIT_K > 1`` a GEMM's programs write fp32 partial sums ``[SPLIT_K, bucket, N]`` (sized
+by the bucket, not M, so the strides stay static when M is symbolic; rows >= M are never
+read) and ``_splitk_reduce_kernel`` adds them in split order: the same bits on every run, no
+atomics anywhere. Splits partition K's super-blocks evenly (``split_bounds``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coalesced_int4.kernels.rounding import to_bf16
+
+REDUCE_BLOCK_N = 128
+
+
+@triton.jit
+def split_bounds(split, SPLIT_K: tl.constexpr, SUPER_BLOCKS: tl.constexpr):
+    """(first super-block, count) of ``split``: the first ``SUPER_BLOCKS % SPLIT_K`` splits
+    take one more than the others."""
+    base = SUPER_BLOCKS // SPLIT_K
+    extra = SUPER_BLOCKS % SPLIT_K
+    return split * base + tl.minimum(split, extra), base + (split < extra).to(tl.int32)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    partial_ptr, out_ptr, N, stride_s, stride_pm, stride_om,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending."""
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(1)
+    mask = offs < N
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + s * stride_s + row * stride_pm + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
+
+
+def launch_split_k_gemm(kernel, *, bucket, m, n, device, split_k, inputs, scalars, **constexprs):
+    """Launch ``kernel(*inputs, out_or_partial, *scalars, stride_s, stride_m, SPLIT_K=...,
+    **constexprs)`` on the grid (N tiles, split_k); reduce the partials if split_k > 1."""
+    from coalesced_int4.kernels.family import use_interpreter_paths, wrap_triton
+
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    if split_k == 1:
+        target, stride_s = out, 0
+    else:
+        target = torch.empty((split_k, bucket, n), dtype=torch.float32, device=device)
+        stride_s = target.stride(0)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
+
+    wrap_triton(kernel)[grid](
+        *inputs, target, *scalars, stride_s, target.stride(-2), SPLIT_K=split_k, **constexprs
+    )
+    if split_k > 1:
+        wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+            target, out, n, stride_s, target.stride(-2), out.stride(0),
+            SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=use_interpreter_paths(),
+            num_warps=4,
+        )
+    return out

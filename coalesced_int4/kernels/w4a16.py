@@ -1,0 +1,109 @@
+"""W4A16 GEMM for small batches (buckets 8-64): weights decoded to bf16, tensor-core dot.
+
+Per super-block of 256 weights a program loads 128 code bytes per weight row, splits the
+nibbles into k order, decodes ``w = bf16(bf16(q - zero) * scale)`` with
+``scale = bf16(sc * ss)`` and ``zero = bf16(zc * zs)`` (the reference's bf16 rounding chain),
+and accumulates ``acc[BLOCK_N, BUCKET] += w @ x^T`` in fp32. The weights are the left operand
+(M of the MMA is BLOCK_N >= 32), the activations the right one (N of the MMA is the bucket,
+8..64): at these batch sizes this keeps the tensor cores busy without padding M, and every
+activation row is covered by one tile so each weight is decoded exactly once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coalesced_int4.kernels.rounding import to_bf16
+from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
+
+
+@triton.jit
+def _bf16_chain(q, zero, scale, INTERPRET: tl.constexpr):
+    """bf16(bf16(q - zero) * scale) from bf16 ``zero`` and ``scale``. The interpreter does bf16
+    arithmetic on raw bits, so there each step runs in fp32 and is rounded to bf16: the same
+    value, since every fp32 intermediate here is exact."""
+    if INTERPRET:
+        diff = to_bf16(q.to(tl.float32) - zero.to(tl.float32), INTERPRET)
+        return to_bf16(diff.to(tl.float32) * scale.to(tl.float32), INTERPRET)
+    else:
+        return (q.to(tl.float32).to(tl.bfloat16) - zero) * scale
+
+
+@triton.jit
+def _bf16_product(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return to_bf16(a.to(tl.float32) * b.to(tl.float32), INTERPRET)
+    else:
+        return a * b
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
+    M, N, stride_xm, stride_os, stride_om,
+    K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BUCKET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Programs: (N tiles, SPLIT_K); every program covers all BUCKET rows (rows >= M masked).
+
+    BLOCK_N: weight rows per program. STAGES: software-pipelining depth over super-blocks.
+    INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
+    interpreter computes bf16 math on raw bits. SPLIT_K > 1 writes fp32 partials [SPLIT_K, BUCKET, N].
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.where(n_mask, offs_n, 0)
+    offs_m = tl.arange(0, BUCKET)
+    m_mask = offs_m < M
+    code_bytes = tl.arange(0, 128)
+    columns = tl.arange(0, 256)
+    groups = tl.arange(0, 8)
+    first_sb, sb_count = split_bounds(pid_s, SPLIT_K, K // 256)
+    acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
+    for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
+        packed = tl.load(q_ptr + rows[:, None] * (K // 2) + sb * 128 + code_bytes[None, :])
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, 256])
+        meta = rows[:, None] * (K // 32) + sb * 8 + groups[None, :]
+        step = rows * (K // 256) + sb
+        scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
+                              to_bf16(tl.load(ss_ptr + step).to(tl.float32), INTERPRET)[:, None],
+                              INTERPRET)
+        zero = _bf16_product(tl.load(zc_ptr + meta).to(tl.float32).to(tl.bfloat16),
+                             to_bf16(tl.load(zs_ptr + step).to(tl.float32), INTERPRET)[:, None],
+                             INTERPRET)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
+        w = _bf16_chain(q, zero, scale, INTERPRET)
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + sb * 256 + columns[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        if INTERPRET:
+            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
+        else:
+            acc = tl.dot(w, tl.trans(a), acc)
+    ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
+    else:
+        tl.store(ptrs, acc, mask=mask)
+
+
+def launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, *,
+                 split_k: int, kernel):
+    from coalesced_int4.kernels.family import use_interpreter_paths
+
+    m, k = x.shape
+    n = qdata.shape[0]
+    return launch_split_k_gemm(
+        kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
+        inputs=(x, qdata.view(torch.uint8), scale, scale_step, zero_point, zero_point_step),
+        scalars=(m, n, x.stride(0)), K=k, BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+    )

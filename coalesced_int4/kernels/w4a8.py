@@ -1,0 +1,216 @@
+"""W4A8 GEMM for decode (buckets 1-4): int8 activations x INT4 weights on dp4a.
+
+Cost model (docs/design.md has the full count): at M <= 4 a linear layer is the time to read
+its weights, 0.578 bytes per weight. Decoding a weight to a float costs an int->float
+conversion (a quarter-rate instruction) plus an FMA, per weight and per row. Quantizing the
+activations to int8 instead lets one ``dp4a`` multiply-add 4 weights with 4 activations in
+int32, so the per-weight work is two bit masks per 8 weights plus M/4 dp4a; the scales and
+zero points are applied once per group of 32 in fp32:
+
+    y[m, n] = sum_g (dot_g - asum_g * wz_g) * xs_g * ws_g
+    dot_g   = sum_{i<32} q[n, 32g+i] * qa[m, 32g+i]   (int32, dp4a)
+    asum_g  = sum_{i<32} qa[m, 32g+i]                  (from the activation kernel)
+    ws_g    = sc[n,g] * ss[n,g//8]   wz_g = zc[n,g] * zs[n,g//8]   (fp32)
+
+Two kernels: ``_quantize_activation_kernel`` (x -> int8 per 32 with an fp32 scale and an int32
+sum) and ``_w4a8_kernel``. Each program of the GEMM owns ``BLOCK_N`` weight rows and walks its
+split of K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32
+words; every thread keeps the activation words of its groups in registers and reuses them for
+all the weight rows it holds, so L1 traffic stays a small multiple of the HBM traffic even at
+M = 4. One fp32 accumulator per activation row (up to 4), one partial sum per group lane,
+reduced across lanes once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from coalesced_int4.kernels.rounding import to_bf16
+from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
+from coalesced_int4.quantize import GROUP_SIZE
+
+ACT_TILE = 256
+"""Activation values quantized per program of ``_quantize_activation_kernel``."""
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 half-to-even in fp32
+
+
+@triton.jit
+def _dp4a(a, b, INTERPRET: tl.constexpr):
+    """sum over 4 bytes of unsigned(a_byte) * signed(b_byte), int32, elementwise."""
+    if INTERPRET:  # no inline asm there: the same sum, one byte at a time
+        total = tl.zeros_like(a + b)
+        for byte in tl.static_range(4):
+            ua = (a >> (8 * byte)) & 0xFF
+            sb = (b << (24 - 8 * byte)) >> 24
+            total += ua * sb
+        return total
+    else:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+
+
+@triton.jit
+def _quantize_activation_kernel(
+    x_ptr, words_ptr, scale_ptr, sum_ptr, stride_xm,
+    K: tl.constexpr,
+):
+    """One program = one row x 256 values = 8 blocks of 32. Per block: scale = amax/127,
+    q = clamp(round_half_even(v / scale), -127, 127); bytes stored in even/odd order (block
+    bytes 0-15 hold k = 0, 2, ..., 30 and bytes 16-31 hold k = 1, 3, ..., 31) so they line
+    up with a weight word's low and high nibbles."""
+    tile = tl.program_id(0)
+    row = tl.program_id(1)
+    offs = tile * 256 + tl.arange(0, 256)
+    v = tl.reshape(tl.load(x_ptr + row * stride_xm + offs).to(tl.float32), [8, 32])
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = amax / 127.0
+    inverse = tl.where(amax > 0, 1.0 / scale, 0.0)
+    y = tl.minimum(tl.maximum(v * inverse[:, None], -127.0), 127.0)
+    q = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int32)
+    block_sum = tl.sum(q, axis=1)
+    # [8 blocks, 32] -> [block, 4 words, 4 bytes, parity] -> [block, parity, word, byte]
+    parts = tl.permute(tl.reshape(q & 0xFF, [8, 4, 4, 2]), (0, 3, 1, 2))
+    shifts = 8 * tl.arange(0, 4)
+    words = tl.sum(parts << shifts[None, None, None, :], axis=3)
+    words = tl.reshape(words, [64])
+    tl.store(words_ptr + row * (K // 4) + tile * 64 + tl.arange(0, 64), words)
+    groups = tile * 8 + tl.arange(0, 8)
+    tl.store(scale_ptr + row * (K // 32) + groups, scale)
+    tl.store(sum_ptr + row * (K // 32) + groups, block_sum)
+
+
+def quantize_activations(x: torch.Tensor):
+    """x (M, K) bf16 -> (int32 words (M, K/4), fp32 scales (M, K/32), int32 sums (M, K/32))."""
+    from coalesced_int4.kernels.family import wrap_triton
+
+    m, k = x.shape
+    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
+    scale = torch.empty((m, k // GROUP_SIZE), dtype=torch.float32, device=x.device)
+    sums = torch.empty((m, k // GROUP_SIZE), dtype=torch.int32, device=x.device)
+    wrap_triton(_quantize_activation_kernel)[(k // ACT_TILE, m)](
+        x, words, scale, sums, x.stride(0), K=k, num_warps=8,
+    )
+    return words, scale, sums
+
+
+@triton.jit
+def _w4a8_row(
+    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row,
+    word_idx, group_idx, group_mask,
+    K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32."""
+    base = words_ptr + row * (K // 4)
+    word_mask = tl.reshape(tl.broadcast_to(group_mask[:, None], [GROUPS, 4]), [4 * GROUPS])
+    a_even = tl.load(base + word_idx, mask=word_mask, other=0)
+    a_odd = tl.load(base + word_idx + 4, mask=word_mask, other=0)
+    dot_even = _dp4a(w_low, a_even[None, :], INTERPRET)
+    dot_odd16 = _dp4a(w_high, a_odd[None, :], INTERPRET)  # high nibbles stay x16: exact
+    even = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
+    odd16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
+    dot = (even + (odd16 >> 4)).to(tl.float32)
+    asum = tl.load(xsum_ptr + row * (K // 32) + group_idx, mask=group_mask, other=0)
+    xs = tl.load(xs_ptr + row * (K // 32) + group_idx, mask=group_mask, other=0.0)
+    return (dot - asum.to(tl.float32)[None, :] * wz) * (xs[None, :] * ws)
+
+
+@triton.jit
+def _w4a8_kernel(
+    words_ptr, xs_ptr, xsum_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
+    M, N, stride_os, stride_om,
+    K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BUCKET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Programs: (N tiles, SPLIT_K). BUCKET (1-4) rows of accumulators; rows >= M skipped.
+
+    BLOCK_N: weight rows (outputs) per program. GROUPS: groups of 32 per main-loop trip.
+    STAGES: software-pipelining depth of the main loop. INTERPRET: portable dp4a and bf16
+    rounding for Triton's interpreter (inline PTX otherwise). SPLIT_K: programs along K; > 1 writes fp32 partials [SPLIT_K, BUCKET, N].
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.where(n_mask, offs_n, 0)  # clamp: out-of-range rows read row 0, never stored
+    first_sb, sb_count = split_bounds(pid_s, SPLIT_K, K // 256)
+    first_group = first_sb * 8
+    end_group = first_group + sb_count * 8
+    lanes = tl.arange(0, GROUPS)
+    word_lanes = tl.arange(0, 4 * GROUPS)
+    acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
+        group_idx = g0 + lanes
+        group_mask = group_idx < end_group
+        # group g's 16 code bytes = words 4g..4g+3 of the row (word j: k = 32g + 8j .. +7)
+        word_idx = 4 * g0 + word_lanes
+        word_mask = (word_idx < 4 * end_group)[None, :]
+        w = tl.load(q_ptr + rows[:, None] * (K // 8) + word_idx[None, :], mask=word_mask, other=0)
+        w_low = w & 0x0F0F0F0F
+        w_high = w & -252645136  # 0xF0F0F0F0
+        meta = rows[:, None] * (K // 32) + group_idx[None, :]
+        steps = rows[:, None] * (K // 256) + group_idx[None, :] // 8
+        meta_mask = group_mask[None, :]
+        ws = tl.load(sc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
+            ss_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
+        wz = tl.load(zc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
+            zs_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
+        # activation words of group g: even-k bytes at 8g..8g+3, odd-k bytes at 8g+4..8g+7
+        a_idx = 8 * g0 + 8 * (word_lanes // 4) + word_lanes % 4
+        acc0 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 0,
+                          a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+        if BUCKET > 1:
+            if M > 1:
+                acc1 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 1,
+                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+        if BUCKET > 2:
+            if M > 2:
+                acc2 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 2,
+                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+        if BUCKET > 3:
+            if M > 3:
+                acc3 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 3,
+                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+    base = out_ptr + pid_s * stride_os + offs_n
+    _store_row(base, tl.sum(acc0, axis=1), n_mask, SPLIT_K, INTERPRET)
+    if BUCKET > 1:
+        _store_row(base + stride_om, tl.sum(acc1, axis=1), n_mask & (M > 1), SPLIT_K, INTERPRET)
+    if BUCKET > 2:
+        _store_row(base + 2 * stride_om, tl.sum(acc2, axis=1), n_mask & (M > 2), SPLIT_K, INTERPRET)
+    if BUCKET > 3:
+        _store_row(base + 3 * stride_om, tl.sum(acc3, axis=1), n_mask & (M > 3), SPLIT_K, INTERPRET)
+
+
+@triton.jit
+def _store_row(ptrs, values, mask, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
+    if SPLIT_K == 1:
+        tl.store(ptrs, to_bf16(values, INTERPRET), mask=mask)
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+def launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, *,
+                split_k: int, kernel):
+    """Quantize x, then run ``kernel`` (the bucket's autotuner or a single-config one)."""
+    from coalesced_int4.kernels.family import use_interpreter_paths
+
+    m, k = x.shape
+    n = qdata.shape[0]
+    words, x_scale, x_sum = quantize_activations(x)
+    return launch_split_k_gemm(
+        kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
+        inputs=(words, x_scale, x_sum, qdata.view(torch.int32), scale, scale_step,
+                zero_point, zero_point_step),
+        scalars=(m, n), K=k, BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+    )

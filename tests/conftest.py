@@ -6,6 +6,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter (set before they import).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -16,3 +19,29 @@ def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="c
     magnitudes = torch.logspace(-3, 2, n, dtype=torch.float64)[torch.randperm(n, generator=generator)]
     w = torch.randn(n, k, generator=generator, dtype=torch.float64) * magnitudes[:, None]
     return w.to(dtype).to(device)
+
+
+def packed_weight(n: int, k: int, seed: int = 0, device="cpu"):
+    """The five stored tensors of a quantized Gaussian bf16 weight, and the dense weight."""
+    from coalesced_int4.quantize import quantize_weight
+
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    return tuple(t.to(device) for t in quantize_weight(dense)), dense.to(device)
+
+
+def dequant_matmul_reference(x, packed):
+    """The reference system's check: weights dequantized with every step rounded to bf16
+    (the W4A16 kernels' chain), then a bf16 ``F.linear``; computed in fp32 here."""
+    from coalesced_int4.quantize import PackedInt4, dequantize_packed
+
+    dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16)
+    return (x.float() @ dense.float().t())
+
+
+def assert_close_to_reference(out, ref, rtol=0.03, atol=8.0, mean_rel=0.02):
+    """The reference test's tolerance: finite, elementwise rtol/atol, and mean relative error."""
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    error = (out.float() - ref.float()).abs().mean() / ref.float().abs().mean()
+    assert error.item() < mean_rel, error.item()

@@ -3,7 +3,7 @@
 ``(x (M, K) bf16, qdata, scale, scale_step, zero_point, zero_point_step, group_size) ->
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
-(``BUCKET_KERNELS[b]``, key N, K, SPLIT_K) over ``int4_autotune_configs(b)``, pruned by
+(``BUCKET_KERNELS[b]``, key N, K, split_k) over ``int4_autotune_configs(b)``, pruned by
 ``prune_int4_configs``. The split-K is a launch parameter: the first candidate (1) unless
 given, or timed per shape inside ``autotune_launch_params()``.
 """
@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import triton
 
+from coalesced_int4.kernels.autotune.do_bench import autotune_do_bench
 from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
 from coalesced_int4.kernels.family import QuantizedGemmFamily, use_interpreter_paths
 from coalesced_int4.kernels.rules import (
@@ -31,7 +32,7 @@ from coalesced_int4.kernels.rules import (
 from coalesced_int4.kernels.w4a8 import _w4a8_kernel, launch_w4a8
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
 
-AUTOTUNE_KEY = ["N", "K", "SPLIT_K"]
+AUTOTUNE_KEY = ["N", "K", "split_k"]
 
 
 def _jit_kernel(bucket: int):
@@ -40,7 +41,7 @@ def _jit_kernel(bucket: int):
 
 def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
     return triton.autotune(
-        configs=configs, key=AUTOTUNE_KEY,
+        configs=configs, key=AUTOTUNE_KEY, do_bench=autotune_do_bench,
         prune_configs_by={"early_config_prune": prune_int4_configs},
     )(_jit_kernel(bucket))
 
@@ -59,7 +60,7 @@ def single_config_kernel(bucket: int, config: triton.Config) -> triton.runtime.A
 def _kernel(bucket: int, k: int, split_k: int, config: Optional[triton.Config]):
     if config is None and use_interpreter_paths():
         # The interpreter cannot time configs: run the first one the prune rule keeps.
-        config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "SPLIT_K": split_k})[0]
+        config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "split_k": split_k})[0]
     return BUCKET_KERNELS[bucket] if config is None else single_config_kernel(bucket, config)
 
 

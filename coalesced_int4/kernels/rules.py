@@ -145,6 +145,6 @@ def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwa
     """Triton ``early_config_prune``: keep configs whose pipeline depth fits the main loop
     (``STAGES <= trips``); if none does, the one with the fewest stages."""
     args = {**named_args, **kwargs}
-    k, split_k = args["K"], args.get("SPLIT_K", 1)
+    k, split_k = args["K"], args.get("split_k", 1)
     kept = [c for c in configs if c.kwargs.get("STAGES", 1) <= main_loop_trips(c, k, split_k)]
     return kept or [min(configs, key=lambda c: c.kwargs.get("STAGES", 1))]

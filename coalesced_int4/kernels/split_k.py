@@ -1,6 +1,6 @@
 """The launch skeleton shared by every INT4 GEMM, and the deterministic split-K reduction.
 
-With ``SPLIT_K > 1`` a GEMM's programs write fp32 partial sums ``[SPLIT_K, bucket, N]`` (sized
+With ``split_k > 1`` a GEMM's programs write fp32 partial sums ``[split_k, bucket, N]`` (sized
 by the bucket, not M, so the strides stay static when M is symbolic; rows >= M are never
 read) and ``_splitk_reduce_kernel`` adds them in split order: the same bits on every run, no
 atomics anywhere. Splits partition K's super-blocks evenly (``split_bounds``).
@@ -18,11 +18,11 @@ REDUCE_BLOCK_N = 128
 
 
 @triton.jit
-def split_bounds(split, SPLIT_K: tl.constexpr, SUPER_BLOCKS: tl.constexpr):
-    """(first super-block, count) of ``split``: the first ``SUPER_BLOCKS % SPLIT_K`` splits
+def split_bounds(split, split_k, super_blocks):
+    """(first super-block, count) of ``split``: the first ``super_blocks % split_k`` splits
     take one more than the others."""
-    base = SUPER_BLOCKS // SPLIT_K
-    extra = SUPER_BLOCKS % SPLIT_K
+    base = super_blocks // split_k
+    extra = super_blocks % split_k
     return split * base + tl.minimum(split, extra), base + (split < extra).to(tl.int32)
 
 
@@ -42,8 +42,9 @@ def _splitk_reduce_kernel(
 
 
 def launch_split_k_gemm(kernel, *, bucket, m, n, device, split_k, inputs, scalars, **constexprs):
-    """Launch ``kernel(*inputs, out_or_partial, *scalars, stride_s, stride_m, SPLIT_K=...,
-    **constexprs)`` on the grid (N tiles, split_k); reduce the partials if split_k > 1."""
+    """Launch ``kernel(*inputs, out_or_partial, *scalars, split_k, stride_s, stride_m,
+    PARTIAL=split_k > 1, **constexprs)`` on the grid (N tiles, split_k); reduce the partials
+    if split_k > 1. The split count is a runtime argument so every split shares one binary."""
     from coalesced_int4.kernels.family import use_interpreter_paths, wrap_triton
 
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
@@ -57,7 +58,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, n, device, split_k, inputs, scalar
         return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
 
     wrap_triton(kernel)[grid](
-        *inputs, target, *scalars, stride_s, target.stride(-2), SPLIT_K=split_k, **constexprs
+        *inputs, target, *scalars, split_k, stride_s, target.stride(-2),
+        PARTIAL=split_k > 1, **constexprs
     )
     if split_k > 1:
         wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](

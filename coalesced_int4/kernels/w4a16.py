@@ -42,19 +42,21 @@ def _bf16_product(a, b, INTERPRET: tl.constexpr):
 @triton.jit
 def _w4a16_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
-    M, N, stride_xm, stride_os, stride_om,
-    K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
+    PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Programs: (N tiles, SPLIT_K); every program covers all BUCKET rows (rows >= M masked).
+    """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
+    Row strides of the codes (qn, bytes), scale/zero codes (cn) and steps (sn) are passed
+    apart from K so that Triton's divisibility specialization proves their alignment.
 
     BLOCK_N: weight rows per program. STAGES: software-pipelining depth over super-blocks.
     INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
-    interpreter computes bf16 math on raw bits. SPLIT_K > 1 writes fp32 partials [SPLIT_K, BUCKET, N].
+    interpreter computes bf16 math on raw bits. PARTIAL: write fp32
+    partials [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -66,13 +68,13 @@ def _w4a16_kernel(
     code_bytes = tl.arange(0, 128)
     columns = tl.arange(0, 256)
     groups = tl.arange(0, 8)
-    first_sb, sb_count = split_bounds(pid_s, SPLIT_K, K // 256)
+    first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
     for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
-        packed = tl.load(q_ptr + rows[:, None] * (K // 2) + sb * 128 + code_bytes[None, :])
+        packed = tl.load(q_ptr + rows[:, None] * stride_qn + sb * 128 + code_bytes[None, :])
         q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, 256])
-        meta = rows[:, None] * (K // 32) + sb * 8 + groups[None, :]
-        step = rows * (K // 256) + sb
+        meta = rows[:, None] * stride_cn + sb * 8 + groups[None, :]
+        step = rows * stride_sn + sb
         scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
                               to_bf16(tl.load(ss_ptr + step).to(tl.float32), INTERPRET)[:, None],
                               INTERPRET)
@@ -90,7 +92,7 @@ def _w4a16_kernel(
             acc = tl.dot(w, tl.trans(a), acc)
     ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
+    if not PARTIAL:
         tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
     else:
         tl.store(ptrs, acc, mask=mask)
@@ -105,5 +107,6 @@ def launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_ste
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
         inputs=(x, qdata.view(torch.uint8), scale, scale_step, zero_point, zero_point_step),
-        scalars=(m, n, x.stride(0)), K=k, BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+        scalars=(m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), scale_step.stride(0)),
+        BUCKET=bucket, INTERPRET=use_interpreter_paths(),
     )

@@ -55,8 +55,7 @@ def _dp4a(a, b, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _quantize_activation_kernel(
-    x_ptr, words_ptr, scale_ptr, sum_ptr, stride_xm,
-    K: tl.constexpr,
+    x_ptr, words_ptr, scale_ptr, sum_ptr, stride_xm, stride_wm, stride_gm,
 ):
     """One program = one row x 256 values = 8 blocks of 32. Per block: scale = amax/127,
     q = clamp(round_half_even(v / scale), -127, 127); bytes stored in even/odd order (block
@@ -77,10 +76,10 @@ def _quantize_activation_kernel(
     shifts = 8 * tl.arange(0, 4)
     words = tl.sum(parts << shifts[None, None, None, :], axis=3)
     words = tl.reshape(words, [64])
-    tl.store(words_ptr + row * (K // 4) + tile * 64 + tl.arange(0, 64), words)
+    tl.store(words_ptr + row * stride_wm + tile * 64 + tl.arange(0, 64), words)
     groups = tile * 8 + tl.arange(0, 8)
-    tl.store(scale_ptr + row * (K // 32) + groups, scale)
-    tl.store(sum_ptr + row * (K // 32) + groups, block_sum)
+    tl.store(scale_ptr + row * stride_gm + groups, scale)
+    tl.store(sum_ptr + row * stride_gm + groups, block_sum)
 
 
 def quantize_activations(x: torch.Tensor):
@@ -92,19 +91,19 @@ def quantize_activations(x: torch.Tensor):
     scale = torch.empty((m, k // GROUP_SIZE), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // GROUP_SIZE), dtype=torch.int32, device=x.device)
     wrap_triton(_quantize_activation_kernel)[(k // ACT_TILE, m)](
-        x, words, scale, sums, x.stride(0), K=k, num_warps=8,
+        x, words, scale, sums, x.stride(0), words.stride(0), scale.stride(0), num_warps=8,
     )
     return words, scale, sums
 
 
 @triton.jit
 def _w4a8_row(
-    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row,
+    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row, stride_am, stride_gm,
     word_idx, group_idx, group_mask,
-    K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32."""
-    base = words_ptr + row * (K // 4)
+    base = words_ptr + row * stride_am
     word_mask = tl.reshape(tl.broadcast_to(group_mask[:, None], [GROUPS, 4]), [4 * GROUPS])
     a_even = tl.load(base + word_idx, mask=word_mask, other=0)
     a_odd = tl.load(base + word_idx + 4, mask=word_mask, other=0)
@@ -113,35 +112,38 @@ def _w4a8_row(
     even = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
     odd16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
     dot = (even + (odd16 >> 4)).to(tl.float32)
-    asum = tl.load(xsum_ptr + row * (K // 32) + group_idx, mask=group_mask, other=0)
-    xs = tl.load(xs_ptr + row * (K // 32) + group_idx, mask=group_mask, other=0.0)
+    asum = tl.load(xsum_ptr + row * stride_gm + group_idx, mask=group_mask, other=0)
+    xs = tl.load(xs_ptr + row * stride_gm + group_idx, mask=group_mask, other=0.0)
     return (dot - asum.to(tl.float32)[None, :] * wz) * (xs[None, :] * ws)
 
 
 @triton.jit
 def _w4a8_kernel(
     words_ptr, xs_ptr, xsum_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
-    M, N, stride_os, stride_om,
-    K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    M, N, K, stride_am, stride_gm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
+    PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Programs: (N tiles, SPLIT_K). BUCKET (1-4) rows of accumulators; rows >= M skipped.
+    """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
+    Strides: activation words (am) and groups (gm) per row; weight code words (qn), codes
+    (cn) and steps (sn) per row. They are passed apart from K so that Triton's divisibility
+    specialization proves the 16-byte alignment of every row.
 
     BLOCK_N: weight rows (outputs) per program. GROUPS: groups of 32 per main-loop trip.
     STAGES: software-pipelining depth of the main loop. INTERPRET: portable dp4a and bf16
-    rounding for Triton's interpreter (inline PTX otherwise). SPLIT_K: programs along K; > 1 writes fp32 partials [SPLIT_K, BUCKET, N].
+    rounding for Triton's interpreter (inline PTX otherwise). PARTIAL: write fp32 partials
+    [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)  # clamp: out-of-range rows read row 0, never stored
-    first_sb, sb_count = split_bounds(pid_s, SPLIT_K, K // 256)
+    first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
     lanes = tl.arange(0, GROUPS)
@@ -156,11 +158,11 @@ def _w4a8_kernel(
         # group g's 16 code bytes = words 4g..4g+3 of the row (word j: k = 32g + 8j .. +7)
         word_idx = 4 * g0 + word_lanes
         word_mask = (word_idx < 4 * end_group)[None, :]
-        w = tl.load(q_ptr + rows[:, None] * (K // 8) + word_idx[None, :], mask=word_mask, other=0)
+        w = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :], mask=word_mask, other=0)
         w_low = w & 0x0F0F0F0F
         w_high = w & -252645136  # 0xF0F0F0F0
-        meta = rows[:, None] * (K // 32) + group_idx[None, :]
-        steps = rows[:, None] * (K // 256) + group_idx[None, :] // 8
+        meta = rows[:, None] * stride_cn + group_idx[None, :]
+        steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
         meta_mask = group_mask[None, :]
         ws = tl.load(sc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
             ss_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
@@ -168,33 +170,36 @@ def _w4a8_kernel(
             zs_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
         # activation words of group g: even-k bytes at 8g..8g+3, odd-k bytes at 8g+4..8g+7
         a_idx = 8 * g0 + 8 * (word_lanes // 4) + word_lanes % 4
-        acc0 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 0,
-                          a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+        acc0 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 0, stride_am,
+                          stride_gm, a_idx, group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:
             if M > 1:
                 acc1 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 1,
-                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
         if BUCKET > 2:
             if M > 2:
                 acc2 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 2,
-                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
         if BUCKET > 3:
             if M > 3:
                 acc3 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 3,
-                                  a_idx, group_idx, group_mask, K, GROUPS, BLOCK_N, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
     base = out_ptr + pid_s * stride_os + offs_n
-    _store_row(base, tl.sum(acc0, axis=1), n_mask, SPLIT_K, INTERPRET)
+    _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:
-        _store_row(base + stride_om, tl.sum(acc1, axis=1), n_mask & (M > 1), SPLIT_K, INTERPRET)
+        _store_row(base + stride_om, tl.sum(acc1, axis=1), n_mask & (M > 1), PARTIAL, INTERPRET)
     if BUCKET > 2:
-        _store_row(base + 2 * stride_om, tl.sum(acc2, axis=1), n_mask & (M > 2), SPLIT_K, INTERPRET)
+        _store_row(base + 2 * stride_om, tl.sum(acc2, axis=1), n_mask & (M > 2), PARTIAL, INTERPRET)
     if BUCKET > 3:
-        _store_row(base + 3 * stride_om, tl.sum(acc3, axis=1), n_mask & (M > 3), SPLIT_K, INTERPRET)
+        _store_row(base + 3 * stride_om, tl.sum(acc3, axis=1), n_mask & (M > 3), PARTIAL, INTERPRET)
 
 
 @triton.jit
-def _store_row(ptrs, values, mask, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
-    if SPLIT_K == 1:
+def _store_row(ptrs, values, mask, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    if not PARTIAL:
         tl.store(ptrs, to_bf16(values, INTERPRET), mask=mask)
     else:
         tl.store(ptrs, values, mask=mask)
@@ -212,5 +217,7 @@ def launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step
         kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
         inputs=(words, x_scale, x_sum, qdata.view(torch.int32), scale, scale_step,
                 zero_point, zero_point_step),
-        scalars=(m, n), K=k, BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+        scalars=(m, n, k, words.stride(0), x_scale.stride(0), qdata.stride(0) // 4,
+                 scale.stride(0), scale_step.stride(0)),
+        BUCKET=bucket, INTERPRET=use_interpreter_paths(),
     )

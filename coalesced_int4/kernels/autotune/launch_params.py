@@ -4,7 +4,8 @@ A launcher decorated with ``@autotune_launch_param("split_k", candidates)`` runs
 first candidate, or the value passed explicitly, unless an ``autotune_launch_params()``
 context is active. Inside it, the first call for a shape times every candidate on random
 stand-ins of the arguments (real tensors even while tracing with fake ones): each candidate
-runs once (letting its Triton autotuner pick a config; an illegal one raises
+runs once (letting its Triton autotuner pick a config, timed in CUDA graphs on a side
+stream; an illegal one raises
 ``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
 graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
 value. The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
@@ -155,6 +156,7 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
 def _measure(fn, name, param, candidates, args, kwargs, stats):
     """Time every candidate; the pick, or None after running out of memory twice."""
     from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
+    from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
     from torch._library.triton import set_wrap_triton_enabled
 
     for attempt in range(2):
@@ -166,7 +168,7 @@ def _measure(fn, name, param, candidates, args, kwargs, stats):
                 outer = torch.cuda.current_stream(device)
                 side = torch.cuda.Stream(device)
                 side.wait_stream(outer)
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(side), cuda_graph_timing():
                     legal, rejected = [], {}
                     for value in candidates:
                         try:

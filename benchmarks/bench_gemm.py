@@ -1,0 +1,203 @@
+"""Kernel benchmark: our INT4 GEMM against bf16 F.linear (cuBLAS), torch's tinygemm int4
+(group 32) and gemlite 0.6 (int4, group 32, bf16), per (N, K, M).
+
+Method (SPEC section 11): each method gets enough copies of its weights to exceed twice the L2
+cache, a CUDA graph of many calls rotating over the copies is captured, and its replays are
+timed with CUDA events: weights come from HBM and launch overhead is out. Our split-K is the
+library's own pick (``autotune_launch_params``), our tile config its autotuner's pick. The
+memory floor is (weight + activation + output bytes) / the HBM read bandwidth measured here.
+
+    python benchmarks/bench_gemm.py [--shapes 8448x6656,4096x4096] [--ms 1,4,16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from coalesced_int4.kernels import autotune_launch_params, launch
+from coalesced_int4.kernels.rules import W4A8_BUCKETS
+
+MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
+LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+M_VALUES = (1, 2, 3, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
+INT4_BYTES_PER_WEIGHT = 4.625 / 8
+MIN_CALLS = 300
+
+
+def bucket_for(m: int) -> int:
+    return next(b for b in BUCKETS if b >= m)
+
+
+def l2_bytes() -> int:
+    return torch.cuda.get_device_properties(0).L2_cache_size
+
+
+def hbm_read_bandwidth() -> float:
+    """Bytes/s of a large reduction (reads 4 GiB, writes nothing worth counting)."""
+    data = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16).view(-1, 2**20)
+    out = torch.empty(data.shape[0], device="cuda", dtype=torch.float32)
+    fn = lambda: torch.sum(data, dim=1, out=out)  # noqa: E731
+    us = time_calls([fn], min_calls=20)
+    return data.numel() * data.element_size() / (us * 1e-6)
+
+
+def time_calls(calls: List[Callable[[], object]], min_calls: int = MIN_CALLS) -> float:
+    """Microseconds per call of a CUDA graph that cycles through ``calls``."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    rounds = max(1, math.ceil(min_calls / len(calls)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / (rounds * len(calls)))
+    graph.reset()
+    return statistics.median(samples)
+
+
+def copies_for(bytes_per_copy: float) -> int:
+    return max(1, math.ceil(2 * l2_bytes() / bytes_per_copy) + 1)
+
+
+def random_int4_weights(n: int, k: int, copies: int):
+    out = []
+    for _ in range(copies):
+        out.append((
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
+            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
+            (torch.rand(n, k // 256, device="cuda") * 1e-3).half(),
+            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
+            (torch.rand(n, k // 256, device="cuda") * 0.06).half(),
+        ))
+    return out
+
+
+def bench_ours(n, k, ms, results):
+    copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
+    for m in ms:
+        bucket = bucket_for(m)
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        with autotune_launch_params() as stats:
+            launch(bucket, x, *copies[0], 32)
+        split = stats.picks[-1].choice if stats.picks else 1
+        us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split) for w in copies])
+        results[(n, k, m)].update(ours_us=us, split_k=split, bucket=bucket)
+    del copies
+
+
+def bench_bf16(n, k, ms, results):
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+               for _ in range(copies_for(n * k * 2))]
+    for m in ms:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        results[(n, k, m)]["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in weights])
+    del weights
+
+
+def bench_tinygemm(n, k, ms, results):
+    copies = []
+    for _ in range(copies_for(n * k * (0.5 + 4 / 32))):
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        packed = torch.ops.aten._convert_weight_to_int4pack(codes, 8)
+        scales_zeros = (torch.rand(k // 32, n, 2, device="cuda") * 0.01).to(torch.bfloat16)
+        copies.append((packed, scales_zeros))
+    for m in ms:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        results[(n, k, m)]["tinygemm_us"] = time_calls(
+            [lambda p=p, s=s: torch.ops.aten._weight_int4pack_mm(x, p, 32, s) for p, s in copies])
+    del copies
+
+
+def bench_gemlite(n, k, ms, results):
+    from gemlite import DType, GemLiteLinear
+
+    layers = []
+    for _ in range(copies_for(n * k * (0.5 + 4 / 32))):
+        layer = GemLiteLinear(W_nbits=4, group_size=32, in_features=k, out_features=n,
+                              input_dtype=DType.BF16, output_dtype=DType.BF16)
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+        scales = (torch.rand(n, k // 32, device="cuda") * 0.01).to(torch.bfloat16)
+        zeros = torch.randint(0, 16, (n, k // 32), device="cuda").to(torch.bfloat16)
+        layer.pack(codes, scales, zeros, bias=None)
+        layers.append(layer)
+    for m in ms:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        results[(n, k, m)]["gemlite_us"] = time_calls([lambda l=l: l(x) for l in layers])
+    del layers
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=None, help="NxK,... (default: model and Llama-3-8B shapes)")
+    parser.add_argument("--ms", default=None, help="M values, comma separated")
+    parser.add_argument("--methods", default="ours,bf16,tinygemm,gemlite")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else list(MODEL_SHAPES + LLAMA3_8B_SHAPES))
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else list(M_VALUES)
+    methods = {"ours": bench_ours, "bf16": bench_bf16, "tinygemm": bench_tinygemm,
+               "gemlite": bench_gemlite}
+    bandwidth = hbm_read_bandwidth()
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, L2 {l2_bytes() / 2**20:.0f} MiB",
+          flush=True)
+    results: Dict[tuple, dict] = {}
+    errors = []
+    for n, k in shapes:
+        for m in ms:
+            floor = (n * k * INT4_BYTES_PER_WEIGHT + 2 * m * k + 2 * m * n) / bandwidth * 1e6
+            results[(n, k, m)] = {"N": n, "K": k, "M": m, "floor_us": floor}
+        for name in args.methods.split(","):
+            start = time.perf_counter()
+            try:
+                methods[name](n, k, ms, results)
+            except Exception as error:  # an anchor that fails on a shape is reported, not fatal
+                errors.append(f"{name} {n}x{k}: {type(error).__name__}: {error}")
+                print(f"# {errors[-1]}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+            print(f"# {name} {n}x{k}: {time.perf_counter() - start:.1f} s", flush=True)
+    header = "| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
+    for r in results.values():
+        ours, bf16 = r.get("ours_us"), r.get("bf16_us")
+        speedup = f"{bf16 / ours:.2f}x" if ours and bf16 else "-"
+        floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
+        print(f"| {r['N']}x{r['K']} | {r['M']} | {fmt(ours)} | {fmt(bf16)} | "
+              f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
+              f"{r.get('split_k', '-')} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "hbm_read_bandwidth": bandwidth, "results": list(results.values()),
+                       "errors": errors}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

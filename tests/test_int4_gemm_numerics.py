@@ -1,0 +1,109 @@
+"""Kernel numerics on small shapes, against independent references. On a CPU the kernels run
+in Triton's interpreter (conftest sets TRITON_INTERPRET=1); with a GPU they run for real."""
+
+import pytest
+import torch
+
+from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
+from coalesced_int4.kernels.w4a8 import quantize_activations
+from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALLER_M = {8: 6, 16: 9, 32: 24, 64: 48}
+
+
+def _x(m, k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=generator).to(torch.bfloat16).to(DEVICE)
+
+
+def _sample(configs, count=3):
+    """First, middle and last of a config list."""
+    return [configs[i] for i in sorted({0, len(configs) // 2, len(configs) - 1})][:count]
+
+
+def _reference_activation_quantization(x):
+    v = x.float().reshape(x.shape[0], -1, 32)
+    amax = v.abs().amax(-1)
+    scale = amax / 127
+    inverse = torch.where(amax > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round((v * inverse[..., None]).clamp(-127, 127)).to(torch.int32)
+    order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])  # even k first
+    as_bytes = (q[..., order] & 0xFF).reshape(x.shape[0], -1, 4)
+    words = (as_bytes << torch.tensor([0, 8, 16, 24])).sum(-1).to(torch.int64)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.reshape(x.shape[0], -1), scale, q.sum(-1).to(torch.int32)
+
+
+def test_activation_quantization_per_32_in_even_odd_byte_order():
+    x = _x(3, 512, seed=1)
+    x[1, :32] = 0  # an all-zero block: scale 0, values 0, sum 0
+    words, scale, sums = quantize_activations(x)
+    ref_words, ref_scale, ref_sums = _reference_activation_quantization(x.cpu())
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=1e-6, atol=0)
+    assert scale[1, 0].item() == 0 and sums[1, 0].item() == 0
+    mismatched = (words.cpu() != ref_words).float().mean().item()
+    assert mismatched == 0 if DEVICE == "cpu" else mismatched < 1e-3
+    assert (sums.cpu() - ref_sums).abs().max().item() <= (0 if DEVICE == "cpu" else 1)
+
+
+@pytest.mark.parametrize("bucket", [1, 2, 3, 4])
+def test_w4a8_buckets_match_the_dequant_reference_for_every_m(bucket):
+    packed, _ = packed_weight(257, 512, seed=bucket, device=DEVICE)
+    for m in range(1, bucket + 1):
+        x = _x(m, 512, seed=10 * bucket + m)
+        out = launch(bucket, x, *packed, 32)
+        assert out.shape == (m, 257) and out.dtype == torch.bfloat16
+        assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+@pytest.mark.parametrize("bucket", [1, 4])
+def test_w4a8_sampled_configs_match(bucket):
+    packed, _ = packed_weight(96, 768, seed=7, device=DEVICE)
+    x = _x(bucket, 768, seed=3)
+    ref = dequant_matmul_reference(x, packed)
+    for config in _sample(int4_autotune_configs(bucket)):
+        assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=1, config=config), ref)
+
+
+@pytest.mark.parametrize("bucket", [8, 16, 32, 64])
+@pytest.mark.parametrize("n", [37, 257])
+@pytest.mark.parametrize("k", [256, 512])
+def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
+    packed, _ = packed_weight(n, k, seed=bucket + n + k, device=DEVICE)
+    for m in (bucket, SMALLER_M[bucket]):
+        x = _x(m, k, seed=m)
+        ref = dequant_matmul_reference(x, packed)
+        for split in (1, k // 256):
+            config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "split_k": split})[-1]
+            out = launch(bucket, x, *packed, 32, split_k=split, config=config)
+            assert out.shape == (m, n)
+            assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
+
+
+def test_w4a16_sampled_configs_match():
+    packed, _ = packed_weight(130, 512, seed=5, device=DEVICE)
+    x = _x(16, 512, seed=5)
+    ref = dequant_matmul_reference(x, packed)
+    for config in _sample(int4_autotune_configs(16), count=3):
+        assert_close_to_reference(launch(16, x, *packed, 32, split_k=1, config=config), ref,
+                                  rtol=0.02, atol=4.0, mean_rel=0.01)
+
+
+@pytest.mark.parametrize("bucket", [1, 3, 8, 32])
+def test_every_legal_split_matches_and_an_illegal_one_is_refused(bucket):
+    packed, _ = packed_weight(64, 2048, seed=91, device=DEVICE)
+    x = _x(bucket, 2048, seed=91)
+    ref = dequant_matmul_reference(x, packed)
+    for split in (1, 2, 4, 8):
+        assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=split), ref)
+    with pytest.raises(InvalidLaunchParam, match="split_k=16 needs K >= 4096, got K=2048"):
+        launch(bucket, x, *packed, 32, split_k=16)
+
+
+@pytest.mark.parametrize("bucket", [2, 16])
+def test_split_k_reduction_is_bit_identical(bucket):
+    packed, _ = packed_weight(257, 1536, seed=4, device=DEVICE)
+    x = _x(bucket, 1536, seed=4)
+    first = launch(bucket, x, *packed, 32, split_k=4)
+    assert torch.equal(first, launch(bucket, x, *packed, 32, split_k=4))

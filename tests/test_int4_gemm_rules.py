@@ -1,0 +1,213 @@
+"""The rules of the INT4 ops, written once in kernels/rules.py: validation order and messages,
+split-K legality and partition, config spaces, the prune rule, and the op family's contract.
+No GPU needed: fake CUDA tensors stand in for real ones."""
+
+import pytest
+import torch
+import triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from coalesced_int4.kernels import (
+    INT4_QUANTIZED_GEMM,
+    SPLIT_K_CANDIDATES,
+    SUPPORTED_BUCKETS,
+    TILE_SPLIT_K_CANDIDATES,
+    InvalidLaunchParam,
+    check_split_k,
+    int4_autotune_configs,
+    prune_int4_configs,
+)
+from coalesced_int4.kernels.family import QuantizedGemmFamily
+from coalesced_int4.kernels.rules import W4A8_STAGES, W4A8_TILES, split_range
+
+
+def _args(m=1, k=512, n=64):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = dict(device="cuda")
+        return [
+            torch.empty(m, k, dtype=torch.bfloat16, **cuda),
+            torch.empty(n, k // 2, dtype=torch.uint8, **cuda),
+            torch.empty(n, k // 32, dtype=torch.uint8, **cuda),
+            torch.empty(n, k // 256, dtype=torch.float16, **cuda),
+            torch.empty(n, k // 32, dtype=torch.uint8, **cuda),
+            torch.empty(n, k // 256, dtype=torch.float16, **cuda),
+            32,
+        ]
+
+
+def _expect_unsupported(bucket, args, pattern):
+    assert not INT4_QUANTIZED_GEMM.supports(bucket, *args)
+    with pytest.raises(RuntimeError, match=f"int4_quantized_gemm_m{bucket}: {pattern}"):
+        INT4_QUANTIZED_GEMM.validate(bucket, *args)
+
+
+def test_every_bucket_accepts_m_equal_to_its_size():
+    for bucket in SUPPORTED_BUCKETS:
+        args = _args(m=bucket)
+        assert INT4_QUANTIZED_GEMM.supports(bucket, *args)
+        INT4_QUANTIZED_GEMM.validate(bucket, *args)
+
+
+def _resized(t, *shape):
+    return torch.empty(shape, dtype=t.dtype, device="cuda")
+
+
+def _set(index, make):
+    def mutate(args):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            args[index] = make(args[index])
+    return mutate
+
+
+RULES = {
+    "rank": (_set(0, lambda x: x.unsqueeze(0)), "expects a rank-2 activation and qdata"),
+    "activation dtype": (_set(0, lambda x: x.half()), "activation must be bfloat16, got float16"),
+    "qdata dtype": (_set(1, lambda t: t.float()), "qdata must be uint8/int8, got float32"),
+    "scale dtype": (_set(2, lambda t: t.int()), "scale codes must be uint8, got int32"),
+    "zero dtype": (_set(4, lambda t: t.to(torch.int8)), "zero codes must be uint8, got int8"),
+    "step dtype": (_set(3, lambda t: t.float()), "scale_step must be float16, got float32"),
+    "zero step dtype": (_set(5, lambda t: t.bfloat16()), "zero_point_step must be float16, got bfloat16"),
+    "group size": (lambda a: a.__setitem__(6, 64), "group_size must be 32, got 64"),
+    "static M": (_set(0, lambda x: torch.cat([x, x])), r"static M must be within \[1, 1\], got 2"),
+    "contiguous": (_set(1, lambda t: torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device="cuda")),
+                   "inputs must be contiguous"),
+    "cpu activation": (lambda a: a.__setitem__(slice(0, 6), [torch.empty(t.shape, dtype=t.dtype) for t in a[:6]]),
+                       r"activation must be on a CUDA device \(or fake while tracing\)"),
+    "device": (_set(2, lambda t: torch.empty(t.shape, dtype=t.dtype, device="cuda:1")),
+               "activation and weights must be on the same device"),
+    "qdata K": (_set(1, lambda t: _resized(t, 64, 128)), "qdata K/2 mismatch: x K=512, qdata K/2=128"),
+    "scale shape": (_set(2, lambda t: _resized(t, 64, 15)), r"scale/zero shape does not match \[N, K/32\]"),
+    "zero shape": (_set(4, lambda t: _resized(t, 63, 16)), r"scale/zero shape does not match \[N, K/32\]"),
+    "step shape": (_set(3, lambda t: _resized(t, 63, 2)), r"step shape does not match \[N, K/256\]"),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_each_rule_is_reported_and_never_raised_by_supports(rule):
+    mutate, pattern = RULES[rule]
+    args = _args()
+    mutate(args)
+    _expect_unsupported(1, args, pattern)
+
+
+def test_k_must_be_a_multiple_of_256():
+    args = _args(k=512)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args[0] = torch.empty(1, 288, dtype=torch.bfloat16, device="cuda")
+    _expect_unsupported(1, args, "K must be a multiple of 256, got 288")
+
+
+def test_rules_are_checked_in_order():
+    args = _args(m=3)
+    args[6] = 64  # group size (rule 3) comes before static M (rule 6)
+    _expect_unsupported(1, args, "group_size must be 32")
+
+
+def test_unknown_buckets_are_refused_by_op_and_validate():
+    with pytest.raises(RuntimeError, match=r"unsupported int4_quantized_gemm bucket 5; expected one of \(1, 2, 3, 4, 8, 16, 32, 64\)"):
+        INT4_QUANTIZED_GEMM.op(5)
+    with pytest.raises(RuntimeError, match="unsupported int4_quantized_gemm bucket 5"):
+        INT4_QUANTIZED_GEMM.validate(5, *_args())
+    assert not INT4_QUANTIZED_GEMM.supports(5, *_args())
+
+
+def test_ops_are_registered_per_bucket():
+    assert SUPPORTED_BUCKETS == (1, 2, 3, 4, 8, 16, 32, 64)
+    for bucket in SUPPORTED_BUCKETS:
+        op = getattr(torch.ops.coalesced_int4, f"int4_quantized_gemm_m{bucket}")
+        assert INT4_QUANTIZED_GEMM.op(bucket) is op is INT4_QUANTIZED_GEMM.op(bucket)
+        assert "Tensor x, Tensor qdata" in str(op.default._schema)
+
+
+def test_the_op_validates_before_launching():
+    x, *weights = _args(m=2)
+    with pytest.raises(RuntimeError, match="static M must be within"):
+        INT4_QUANTIZED_GEMM.op(1)(torch.empty(2, 512, dtype=torch.bfloat16), *[torch.empty(t.shape, dtype=t.dtype) for t in weights[:5]], 32)
+
+
+def test_fake_kernel_keeps_m_and_gives_bf16():
+    args = _args(m=3, n=40)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = INT4_QUANTIZED_GEMM.op(4)(*args)
+    assert out.shape == (3, 40) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
+
+
+def _toy(x: "torch.Tensor", weight: "torch.Tensor", scale: float) -> "torch.Tensor":
+    raise NotImplementedError
+
+
+def test_a_family_sorts_buckets_resolves_postponed_annotations_and_validates_first():
+    launched = []
+    family = QuantizedGemmFamily(
+        "toy_family_gemm", (4, 1, 2), _toy,
+        launch=lambda b, x, w, s: launched.append(b) or x.new_empty(x.shape[0], w.shape[0]),
+        fake=lambda b, x, w, s: x.new_empty(x.shape[0], w.shape[0]),
+        unsupported_reason=lambda b, x, w, s: None if x.shape[0] <= b else f"{x.shape[0]} rows exceed the bucket",
+    )
+    assert family.buckets == (1, 2, 4)
+    assert "Tensor x, Tensor weight, float scale" in str(family.op(1).default._schema)
+    with pytest.raises(RuntimeError, match="toy_family_gemm_m1: 2 rows exceed the bucket"):
+        family.op(1)(torch.zeros(2, 3), torch.zeros(4, 3), 1.0)
+    assert launched == [] and not family.supports(1, torch.zeros(2, 3), torch.zeros(4, 3), 1.0)
+    assert family.op(2)(torch.zeros(2, 3), torch.zeros(4, 3), 1.0).shape == (2, 4) and launched == [2]
+    for bad in ((), (0, 1), (1, 1)):
+        with pytest.raises(ValueError, match="buckets must be distinct positive row counts"):
+            QuantizedGemmFamily("bad", bad, _toy, None, None, None)
+
+
+@pytest.mark.parametrize("k", [256, 768, 4096, 6656])
+def test_split_k_needs_one_super_block_per_split(k):
+    for split in sorted(set(SPLIT_K_CANDIDATES + TILE_SPLIT_K_CANDIDATES)):
+        if split <= k // 256:
+            check_split_k(split, k)
+        else:
+            with pytest.raises(InvalidLaunchParam, match=f"split_k={split} needs K >= {split * 256}, got K={k}"):
+                check_split_k(split, k)
+
+
+@pytest.mark.parametrize("super_blocks, split_k", [(26, 8), (3, 3), (16, 16), (26, 1)])
+def test_splits_partition_the_super_blocks_evenly(super_blocks, split_k):
+    ranges = [split_range(s, split_k, super_blocks) for s in range(split_k)]
+    covered = [sb for start, count in ranges for sb in range(start, start + count)]
+    assert covered == list(range(super_blocks))
+    assert max(c for _, c in ranges) - min(c for _, c in ranges) <= 1
+
+
+def test_w4a8_config_space():
+    for bucket in (1, 2, 3, 4):
+        configs = int4_autotune_configs(bucket)
+        seen = {(c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.num_warps, c.kwargs["STAGES"], c.num_stages) for c in configs}
+        assert seen == {(n, g, w, s, s) for n, g, w in W4A8_TILES for s in W4A8_STAGES}
+        assert len(configs) == len(W4A8_TILES) * len(W4A8_STAGES)
+
+
+def test_w4a16_config_space():
+    for bucket in (8, 16, 32, 64):
+        configs = int4_autotune_configs(bucket)
+        seen = {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"], c.num_stages) for c in configs}
+        assert seen == {(n, w, s, s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)}
+        assert len(configs) == 18
+    with pytest.raises(ValueError, match="no autotune space for bucket 5"):
+        int4_autotune_configs(5)
+
+
+@pytest.mark.parametrize(
+    "bucket, k, split, max_stages",
+    [(4, 256, 1, 1), (4, 2048, 1, 2), (4, 2048, 8, 1), (4, 8192, 1, 2), (1, 1024, 1, 2), (1, 256, 1, 1),
+     (8, 256, 1, 1), (8, 512, 1, 2), (8, 6656, 1, 3), (64, 6656, 26, 1), (64, 6656, 16, 2)],
+)
+def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_stages):
+    configs = int4_autotune_configs(bucket)
+    kept = prune_int4_configs(configs, {"K": k}, split_k=split)
+    assert max(c.kwargs["STAGES"] for c in kept) == max_stages
+    # Kept iff its stages fit its own trips: ceil(super-blocks per split / (GROUPS/8)).
+    def trips(c):
+        per_split = -(-(k // 256) // split)
+        return max(1, -(-per_split // max(1, c.kwargs.get("GROUPS", 8) // 8)))
+
+    assert kept == [c for c in configs if c.kwargs["STAGES"] <= trips(c)]
+
+
+def test_prune_keeps_the_shallowest_config_when_none_fits():
+    configs = [triton.Config({"STAGES": 3}), triton.Config({"STAGES": 2})]
+    assert prune_int4_configs(configs, {"K": 256}) == [configs[1]]

@@ -33,7 +33,7 @@ from coalesced_int4.quantize import GROUP_SIZE
 
 ACT_TILE = 256
 """Activation values quantized per program of ``_quantize_activation_kernel``."""
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 half-to-even in fp32
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to even
 
 
 @triton.jit

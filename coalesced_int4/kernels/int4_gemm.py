@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 import triton
+from torch._library.triton import set_wrap_triton_enabled
+from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels.autotune.do_bench import autotune_do_bench
 from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
@@ -90,8 +92,12 @@ def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step
     # passed positionally so dynamic and static M are timed and cached apart.
     dynamic_m = not isinstance(x.shape[0], int)
     launcher = _launch_w4a8 if bucket in W4A8_BUCKETS else _launch_w4a16
-    return launcher(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
-                    dynamic_m, **launch_params)
+    # Tracing (fake inputs) records the launches through wrap_triton; eager launches call
+    # the autotuners themselves, which keep their picks (wrap_triton's eager path would tune
+    # a fresh copy on every call, and could not be captured in a CUDA graph).
+    with set_wrap_triton_enabled(is_fake(x)):
+        return launcher(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
+                        dynamic_m, **launch_params)
 
 
 def _fake(bucket: int, x, qdata, *_):

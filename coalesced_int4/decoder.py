@@ -202,7 +202,8 @@ def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, step=decode_
     for i in range(new_tokens - 1):
         tokens.append(token)
         position = torch.tensor([length + i], device=device)
-        logits = step(model, token, position)
+        # Cloned: a step compiled with CUDA graphs reuses its output buffer on the next call.
+        logits = step(model, token, position).clone()
         all_logits.append(logits)
         token = logits.argmax(-1, keepdim=True)
     tokens.append(token)

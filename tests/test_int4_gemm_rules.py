@@ -80,7 +80,7 @@ RULES = {
                    "inputs must be contiguous"),
     "cpu activation": (lambda a: a.__setitem__(slice(0, 6), [torch.empty(t.shape, dtype=t.dtype) for t in a[:6]]),
                        r"activation must be on a CUDA device \(or fake while tracing\)"),
-    "device": (_set(2, lambda t: torch.empty(t.shape, dtype=t.dtype, device="cuda:1")),
+    "device": (lambda a: a.__setitem__(2, torch.empty(a[2].shape, dtype=a[2].dtype)),
                "activation and weights must be on the same device"),
     "qdata K": (_set(1, lambda t: _resized(t, 64, 128)), "qdata K/2 mismatch: x K=512, qdata K/2=128"),
     "scale shape": (_set(2, lambda t: _resized(t, 64, 15)), r"scale/zero shape does not match \[N, K/32\]"),

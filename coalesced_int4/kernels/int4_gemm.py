@@ -4,8 +4,9 @@
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
 (``BUCKET_KERNELS[b]``, key N, K, split_k) over ``int4_autotune_configs(b)``, pruned by
-``prune_int4_configs``. The split-K is a launch parameter: the first candidate (1) unless
-given, or timed per shape inside ``autotune_launch_params()``.
+``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``).
+The split-K is a launch parameter: the first candidate (1) unless given, or timed per shape
+inside ``autotune_launch_params()``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels.autotune.do_bench import autotune_do_bench
 from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
+from coalesced_int4.kernels.autotune.tuner import persistent_autotune
 from coalesced_int4.kernels.family import QuantizedGemmFamily, use_interpreter_paths
 from coalesced_int4.kernels.rules import (
     SPLIT_K_CANDIDATES,
@@ -42,7 +44,7 @@ def _jit_kernel(bucket: int):
 
 
 def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
-    return triton.autotune(
+    return persistent_autotune(
         configs=configs, key=AUTOTUNE_KEY, do_bench=autotune_do_bench,
         prune_configs_by={"early_config_prune": prune_int4_configs},
     )(_jit_kernel(bucket))

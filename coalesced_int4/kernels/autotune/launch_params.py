@@ -9,7 +9,9 @@ stream; an illegal one raises
 ``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
 graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
 value. The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
-scalar arguments); the context's ``LaunchParamStats`` records what happened.
+scalar arguments), in memory and, on CUDA, in the persistent pick store, from which a later
+process restores it instead of timing; the context's ``LaunchParamStats`` records what
+happened.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
+
+from coalesced_int4.kernels.autotune.persistent import PickStore
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class LaunchParamPick:
 class LaunchParamStats:
     measured: int = 0
     cache_hits: int = 0
+    restored: int = 0  # picks read from the persistent cache instead of timed
     out_of_memory: int = 0
     picks: List[LaunchParamPick] = dataclasses.field(default_factory=list)
 
@@ -133,7 +138,8 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
             if not tensors:
                 raise ValueError("autotune_launch_param needs a tensor argument to time on")
             device = tensors[0].device
-            key = (token, torch.cuda.get_device_name(device),
+            device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            key = (token, device_name,
                    tuple(_arg_key(a) for a in args),
                    tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())))
             with _lock:
@@ -141,7 +147,15 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
                     stats.cache_hits += 1
                     choice = _cache[key]
                 else:
-                    choice = _measure(fn, name, param, candidates, args, kwargs, stats)
+                    store = PickStore("launch_params", device_name) if device.type == "cuda" else None
+                    stored_key = [name, *key[2:]]
+                    choice = store.get(stored_key) if store is not None else None
+                    if choice in candidates:
+                        stats.restored += 1
+                    else:
+                        choice = _measure(fn, name, param, candidates, args, kwargs, stats)
+                        if choice is not None and store is not None:
+                            store.put(stored_key, choice)
                     if choice is not None:
                         _cache[key] = choice
             return fn(*args, **{**kwargs, param: candidates[0] if choice is None else choice})
@@ -153,22 +167,48 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
     return decorate
 
 
+def time_call_us(call) -> float:
+    """Device time of one call of ``call``, in microseconds (tests replace this)."""
+    from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
+
+    return time_with_cuda_graph_us(call)
+
+
+@contextlib.contextmanager
+def _timing_stream(device: torch.device):
+    """On CUDA: a side stream ordered after the current one, with graph timing active for
+    the Triton autotuners (graphs cannot be captured on the legacy default stream)."""
+    if device.type != "cuda":
+        yield
+        return
+    from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
+
+    outer = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(outer)
+    with torch.cuda.stream(side), cuda_graph_timing():
+        yield
+    outer.wait_stream(side)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def _measure(fn, name, param, candidates, args, kwargs, stats):
     """Time every candidate; the pick, or None after running out of memory twice."""
-    from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
-    from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
     from torch._library.triton import set_wrap_triton_enabled
 
-    for attempt in range(2):
+    for _ in range(2):
         try:
             with unset_fake_temporarily(), _disable_current_modes(), set_wrap_triton_enabled(False):
                 real_args = [_stand_in(a) for a in args]
                 real_kwargs = {k: _stand_in(v) for k, v in kwargs.items()}
                 device = next(a for a in real_args if isinstance(a, torch.Tensor)).device
-                outer = torch.cuda.current_stream(device)
-                side = torch.cuda.Stream(device)
-                side.wait_stream(outer)
-                with torch.cuda.stream(side), cuda_graph_timing():
+                with _timing_stream(device):
                     legal, rejected = [], {}
                     for value in candidates:
                         try:
@@ -182,13 +222,10 @@ def _measure(fn, name, param, candidates, args, kwargs, stats):
                     for _ in range(ROUNDS):
                         for value in legal:
                             call = functools.partial(fn, *real_args, **{**real_kwargs, param: value})
-                            samples[value].append(time_with_cuda_graph_us(call))
-                outer.wait_stream(side)
+                            samples[value].append(time_call_us(call))
             break
         except torch.OutOfMemoryError:
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            _free_memory()
     else:
         logger.warning("%s: out of device memory while timing %s candidates; using %s=%s",
                        name, param, param, candidates[0])

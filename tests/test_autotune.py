@@ -1,0 +1,258 @@
+"""Autotuning logic that needs no GPU: the split-K (launch-parameter) selection on toy
+functions with a stand-in timer, and autotune_do_bench's routing between CUDA-graph timing and
+triton.testing.do_bench."""
+
+import logging
+import types
+from unittest import mock
+
+import pytest
+import torch
+import triton
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from coalesced_int4.kernels.autotune import do_bench as do_bench_module
+from coalesced_int4.kernels.autotune import launch_params
+from coalesced_int4.kernels.autotune.do_bench import AUTOTUNE_REP_MS, AUTOTUNE_WARMUP_MS, autotune_do_bench
+from coalesced_int4.kernels.autotune.launch_params import (
+    InvalidLaunchParam,
+    autotune_launch_param,
+    autotune_launch_params,
+    clear_launch_param_cache,
+)
+
+COST = {1: 12.0, 2: 6.0, 4: 1.0, 8: 3.0, 16: 24.0}
+
+
+@pytest.fixture(autouse=True)
+def fake_timer(monkeypatch):
+    """The timer reports each call's cost: the ``cost`` attribute of what the call returns."""
+    clear_launch_param_cache()
+    monkeypatch.setattr(launch_params, "time_call_us", lambda call: call().cost)
+    yield
+    clear_launch_param_cache()
+
+
+
+def _toy(costs, calls=None, legal=lambda v, x: True):
+    @autotune_launch_param("split_k", tuple(costs))
+    def run(x, *, split_k):
+        if not legal(split_k, x):
+            raise InvalidLaunchParam(f"split_k={split_k} is illegal here")
+        if calls is not None:
+            calls.append(split_k)
+        return types.SimpleNamespace(cost=costs[split_k], split_k=split_k)
+    return run
+
+
+def test_outside_the_context_the_first_candidate_runs_untimed():
+    calls = []
+    assert _toy(COST, calls)(torch.zeros(4)).split_k == 1 and calls == [1]
+
+
+def test_inside_the_context_the_fastest_candidate_wins():
+    with autotune_launch_params() as stats:
+        assert _toy(COST)(torch.zeros(4)).split_k == 4
+    assert stats.measured == 1 and set(stats.picks[0].times_us) == set(COST)
+    assert stats.picks[0].choice == 4 and stats.picks[0].param == "split_k"
+
+
+def test_each_shape_is_timed_once():
+    run = _toy(COST)
+    with autotune_launch_params() as stats:
+        run(torch.zeros(4))
+        run(torch.zeros(8))
+        run(torch.zeros(4))
+    assert stats.measured == 2 and stats.cache_hits == 1
+
+
+def test_an_explicit_value_is_used_as_is():
+    calls = []
+    with autotune_launch_params() as stats:
+        assert _toy(COST, calls)(torch.zeros(4), split_k=16).split_k == 16
+    assert calls == [16] and stats.measured == 0
+
+
+def test_illegal_candidates_are_skipped_and_reported():
+    run = _toy(COST, legal=lambda v, x: v <= 2)
+    with autotune_launch_params() as stats:
+        assert run(torch.zeros(4)).split_k == 2
+    assert set(stats.picks[0].times_us) == {1, 2} and set(stats.picks[0].rejected) == {4, 8, 16}
+
+
+def test_no_legal_candidate_is_an_error():
+    with autotune_launch_params(), pytest.raises(ValueError, match="no legal split_k"):
+        _toy(COST, legal=lambda v, x: False)(torch.zeros(4))
+
+
+def test_near_ties_go_to_the_smaller_value():
+    with autotune_launch_params():
+        assert _toy({8: 5.0, 2: 5.05, 4: 5.0})(torch.zeros(4)).split_k == 2
+
+
+def test_running_out_of_memory_twice_falls_back_to_the_first_candidate(caplog):
+    attempts = []
+
+    @autotune_launch_param("split_k", (1, 2))
+    def run(x, *, split_k):
+        if launch_params._state.stats is not None and len(attempts) < 2 and x.device.type == "cpu":
+            attempts.append(split_k)
+            raise torch.OutOfMemoryError("no memory")
+        return types.SimpleNamespace(cost=1.0, split_k=split_k)
+
+    with caplog.at_level(logging.WARNING), autotune_launch_params() as stats:
+        assert run(torch.zeros(4)).split_k == 1
+    assert stats.out_of_memory == 1 and stats.measured == 0
+    assert "out of device memory while timing split_k candidates; using split_k=1" in caplog.text
+
+
+def test_fake_inputs_are_timed_on_real_stand_ins():
+    seen = []
+
+    @autotune_launch_param("split_k", (1, 2))
+    def run(x, *, split_k):
+        seen.append(type(x).__name__)
+        return types.SimpleNamespace(cost=float(3 - split_k), split_k=split_k)
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(4, 4))
+    with autotune_launch_params():
+        with mode:
+            assert run(fake).split_k == 2
+    assert "Tensor" in seen and seen[-1] == "FakeTensor"
+
+
+def test_declaration_errors():
+    with pytest.raises(ValueError, match="needs at least one candidate"):
+        autotune_launch_param("split_k", ())
+    with pytest.raises(TypeError, match="has no parameter 'num_splits'"):
+        autotune_launch_param("num_splits", (1, 2))(lambda x, *, split_k: x)
+
+
+# ---------------------------------------------------------------- autotune_do_bench
+
+
+def _on_stream(cuda_stream):
+    return mock.patch.object(torch.cuda, "current_stream", return_value=types.SimpleNamespace(cuda_stream=cuda_stream))
+
+
+def test_graph_timing_on_a_side_stream_times_in_a_graph():
+    call = mock.Mock()
+    with _on_stream(1), mock.patch.object(do_bench_module, "graph_timing_active", return_value=True), \
+            mock.patch.object(do_bench_module.graph_timing, "time_with_cuda_graph_us", return_value=1500.0) as graph, \
+            mock.patch.object(triton.testing, "do_bench") as bench:
+        assert autotune_do_bench(call, None) == 1.5
+        assert autotune_do_bench(call, (0.5, 0.2, 0.8)) == [1.5, 1.5, 1.5]
+    graph.assert_called_with(call)
+    bench.assert_not_called()
+
+
+def test_outside_graph_timing_triton_times_it():
+    call = mock.Mock()
+    with _on_stream(1), mock.patch.object(do_bench_module, "graph_timing_active", return_value=False), \
+            mock.patch.object(do_bench_module.graph_timing, "time_with_cuda_graph_us") as graph, \
+            mock.patch.object(triton.testing, "do_bench", return_value=2.0) as bench:
+        assert autotune_do_bench(call, None) == 2.0
+    graph.assert_not_called()
+    bench.assert_called_once_with(call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=None)
+
+
+def test_the_legacy_default_stream_is_timed_by_triton():
+    with _on_stream(0), mock.patch.object(do_bench_module, "graph_timing_active", return_value=True), \
+            mock.patch.object(do_bench_module.graph_timing, "time_with_cuda_graph_us") as graph, \
+            mock.patch.object(triton.testing, "do_bench", return_value=2.0) as bench:
+        autotune_do_bench(mock.Mock(), None)
+    graph.assert_not_called()
+    bench.assert_called_once()
+
+
+def test_a_failing_graph_timing_falls_back_and_says_so_once(caplog):
+    with _on_stream(1), mock.patch.object(do_bench_module, "graph_timing_active", return_value=True), \
+            mock.patch.object(do_bench_module.graph_timing, "time_with_cuda_graph_us", side_effect=RuntimeError("capture failed")), \
+            mock.patch.object(do_bench_module, "_graph_timing_fallback_warned", False), \
+            mock.patch.object(triton.testing, "do_bench", return_value=[0.3, 0.2, 0.4]), \
+            caplog.at_level(logging.WARNING, logger=do_bench_module.logger.name):
+        for _ in range(2):
+            assert autotune_do_bench(mock.Mock(), (0.5, 0.2, 0.8))[0] > 0
+    records = [r for r in caplog.records if r.name == do_bench_module.logger.name]
+    assert len(records) == 1 and "capture failed" in records[0].getMessage()
+
+
+def test_cuda_graph_timing_context_nests():
+    assert not do_bench_module.graph_timing_active()
+    with do_bench_module.cuda_graph_timing():
+        with do_bench_module.cuda_graph_timing():
+            assert do_bench_module.graph_timing_active()
+        assert do_bench_module.graph_timing_active()
+    assert not do_bench_module.graph_timing_active()
+
+
+# ---------------------------------------------------------------- persistent picks
+
+from coalesced_int4.kernels.autotune import persistent  # noqa: E402
+from coalesced_int4.kernels.autotune.persistent import PickStore, config_to_json, matching_config  # noqa: E402
+from coalesced_int4.kernels.autotune.tuner import tuning_key  # noqa: E402
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(persistent.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.delenv(persistent.SWITCH_ENV, raising=False)
+    return tmp_path
+
+
+def test_a_pick_survives_into_a_new_store(cache_dir):
+    PickStore("kernel", "NVIDIA H200").put([4096, 4096, 1, "torch.bfloat16"], {"BLOCK_N": 32})
+    again = PickStore("kernel", "NVIDIA H200")
+    assert again.get([4096, 4096, 1, "torch.bfloat16"]) == {"BLOCK_N": 32}
+    assert again.get([4096, 4096, 2, "torch.bfloat16"]) is None  # a miss
+
+
+def test_another_gpu_triton_or_kernel_source_misses(cache_dir, monkeypatch):
+    PickStore("kernel", "NVIDIA H200").put("k", 1)
+    assert PickStore("kernel", "NVIDIA H100 80GB HBM3").get("k") is None
+    monkeypatch.setattr(persistent.triton, "__version__", "9.9.9")
+    assert PickStore("kernel", "NVIDIA H200").get("k") is None
+    monkeypatch.undo()
+    monkeypatch.setenv(persistent.DIRECTORY_ENV, str(cache_dir))
+    monkeypatch.setattr(persistent, "kernel_source_hash", lambda: "another source")
+    assert PickStore("kernel", "NVIDIA H200").get("k") is None
+
+
+def test_a_corrupt_or_foreign_file_is_ignored_and_rewritten(cache_dir, caplog):
+    store = PickStore("kernel", "NVIDIA H200")
+    store.path.parent.mkdir(parents=True, exist_ok=True)
+    store.path.write_text("{ not json")
+    with caplog.at_level(logging.DEBUG, logger=persistent.logger.name):
+        assert store.get("k") is None
+    assert "ignoring autotune cache" in caplog.text
+    store.put("k", 3)
+    assert PickStore("kernel", "NVIDIA H200").get("k") == 3
+    store.path.write_text('{"identity": {"kind": "someone else"}, "picks": {"\\"k\\"": 5}}')
+    assert store.get("k") is None
+
+
+def test_the_cache_can_be_turned_off(cache_dir, monkeypatch):
+    monkeypatch.setenv(persistent.SWITCH_ENV, "0")
+    store = PickStore("kernel", "NVIDIA H200")
+    store.put("k", 1)
+    assert store.get("k") is None and list(cache_dir.iterdir()) == []
+
+
+def test_a_stored_config_is_trusted_only_inside_the_current_space():
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=4, num_stages=1) for n in (16, 32)]
+    assert matching_config(configs, config_to_json(configs[1])) is configs[1]
+    assert matching_config(configs, {"kwargs": {"BLOCK_N": 128}, "num_warps": 4, "num_stages": 1}) is None
+
+
+def test_the_tuning_key_is_the_one_triton_caches_under():
+    from coalesced_int4.kernels import BUCKET_KERNELS
+
+    autotuner = BUCKET_KERNELS[8]
+    names = autotuner.arg_names
+    args = [torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else 7 for n in names[:names.index("PARTIAL")]]
+    kwargs = {"PARTIAL": False, "BUCKET": 8, "INTERPRET": False}
+    key = tuning_key(autotuner, args, kwargs)
+    named = dict(zip(names, args))
+    assert key[:3] == (named["N"], named["K"], named["split_k"])
+    assert key[3:] == tuple(["torch.bfloat16"] * 7)

@@ -256,3 +256,82 @@ def test_the_tuning_key_is_the_one_triton_caches_under():
     named = dict(zip(names, args))
     assert key[:3] == (named["N"], named["K"], named["split_k"])
     assert key[3:] == tuple(["torch.bfloat16"] * 7)
+
+
+# ---------------------------------------------------------------- precompile and tracing picks
+
+from coalesced_int4.kernels.autotune import tuner  # noqa: E402
+
+
+def _gate(version, async_compile=types.SimpleNamespace()):
+    tuner.parallel_compile_available.cache_clear()
+    try:
+        with mock.patch.object(tuner, "_async_compile", async_compile), \
+                mock.patch.object(tuner, "sys", types.SimpleNamespace(version_info=version)):
+            return tuner.parallel_compile_available()
+    finally:
+        tuner.parallel_compile_available.cache_clear()
+
+
+def test_parallel_compile_needs_triton_async_compile_and_a_thread_safe_ast():
+    assert not _gate((3, 12, 5, "final", 0), async_compile=None)
+    for version in ((3, 11, 4), (3, 11, 7), (3, 12, 1)):
+        assert not _gate((*version, "final", 0)), version
+    for version in ((3, 11, 8), (3, 12, 2), (3, 13, 0)):
+        assert _gate((*version, "final", 0)), version
+
+
+def _mock_autotuner(cache=None):
+    return mock.Mock(spec=triton.runtime.Autotuner, configs=[1, 2], cache=cache or {}, arg_names=["x"], keys=[])
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_the_gate_decides_whether_an_untuned_launch_precompiles(gate):
+    autotuner = _mock_autotuner()
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=gate), \
+            mock.patch.object(tuner, "compile_pool", mock.MagicMock()):
+        tuner.precompile_untuned_configs(autotuner, (torch.zeros(2),), {})
+    assert autotuner.warmup.called == gate
+
+
+def test_fake_or_tuned_launches_are_not_precompiled():
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", mock.MagicMock()):
+        autotuner = _mock_autotuner()
+        with FakeTensorMode() as mode:
+            fake = mode.from_tensor(torch.zeros(2))
+        tuner.precompile_untuned_configs(autotuner, (fake,), {})
+        assert not autotuner.warmup.called
+        tuned = _mock_autotuner(cache={("torch.float32",): 1})
+        tuner.precompile_untuned_configs(tuned, (torch.zeros(2),), {})
+        assert not tuned.warmup.called
+
+
+def test_a_failing_precompile_is_logged_and_harmless(caplog):
+    autotuner = _mock_autotuner()
+    autotuner.warmup.side_effect = RuntimeError("no precompile")
+    autotuner.base_fn = types.SimpleNamespace(__name__="toy_kernel")
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", mock.MagicMock()), \
+            caplog.at_level(logging.WARNING, logger=tuner.logger.name):
+        tuner.precompile_untuned_configs(autotuner, (torch.zeros(2),), {})
+    assert "no precompile" in caplog.text
+
+
+def test_a_tuned_key_is_traced_with_one_object_holding_only_its_pick():
+    from coalesced_int4.kernels import BUCKET_KERNELS
+
+    autotuner = BUCKET_KERNELS[8]
+    names = autotuner.arg_names
+    args = tuple(torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else 1 << 12
+                 for n in names[:names.index("PARTIAL")])
+    kwargs = {"PARTIAL": False, "BUCKET": 8, "INTERPRET": False}
+    assert tuner.tuned_kernel(autotuner, args, kwargs) is autotuner  # untuned: every config
+    key = tuning_key(autotuner, args, kwargs)
+    autotuner.cache[key] = autotuner.configs[1]
+    try:
+        picked = tuner.tuned_kernel(autotuner, args, kwargs)
+        assert picked is not autotuner and picked.configs == [autotuner.configs[1]]
+        assert picked.fn is autotuner.fn and tuner.tuned_kernel(autotuner, args, kwargs) is picked
+    finally:
+        del autotuner.cache[key]

@@ -11,7 +11,6 @@ inside ``autotune_launch_params()``.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels.autotune.do_bench import autotune_do_bench
 from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
-from coalesced_int4.kernels.autotune.tuner import persistent_autotune
+from coalesced_int4.kernels.autotune.tuner import persistent_autotune, single_config
 from coalesced_int4.kernels.family import QuantizedGemmFamily, use_interpreter_paths
 from coalesced_int4.kernels.rules import (
     SPLIT_K_CANDIDATES,
@@ -54,18 +53,11 @@ BUCKET_KERNELS = {b: _autotuner(b, int4_autotune_configs(b)) for b in SUPPORTED_
 """The autotuner of each bucket (looked up at launch time, so tests may patch entries)."""
 
 
-@functools.lru_cache(maxsize=None)
-def single_config_kernel(bucket: int, config: triton.Config) -> triton.runtime.Autotuner:
-    """An autotuner holding only ``config``, around the bucket's JIT function (compiled
-    binaries are shared with the full autotuner)."""
-    return _autotuner(bucket, [config])
-
-
 def _kernel(bucket: int, k: int, split_k: int, config: Optional[triton.Config]):
     if config is None and use_interpreter_paths():
         # The interpreter cannot time configs: run the first one the prune rule keeps.
         config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "split_k": split_k})[0]
-    return BUCKET_KERNELS[bucket] if config is None else single_config_kernel(bucket, config)
+    return BUCKET_KERNELS[bucket] if config is None else single_config(BUCKET_KERNELS[bucket], config)
 
 
 @autotune_launch_param("split_k", SPLIT_K_CANDIDATES)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._library.triton import is_wrap_triton_enabled
 
+from coalesced_int4.kernels.autotune.tuner import tuned_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 
 REDUCE_BLOCK_N = 128
@@ -57,10 +59,11 @@ def launch_split_k_gemm(kernel, *, bucket, m, n, device, split_k, inputs, scalar
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
 
-    wrap_triton(kernel)[grid](
-        *inputs, target, *scalars, split_k, stride_s, target.stride(-2),
-        PARTIAL=split_k > 1, **constexprs
-    )
+    args = (*inputs, target, *scalars, split_k, stride_s, target.stride(-2))
+    kwargs = {"PARTIAL": split_k > 1, **constexprs}
+    if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
+        kernel = tuned_kernel(kernel, args, kwargs)
+    wrap_triton(kernel)[grid](*args, **kwargs)
     if split_k > 1:
         wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
             target, out, n, stride_s, target.stride(-2), out.stride(0),

@@ -1,18 +1,41 @@
-"""``PersistentAutotuner``: Triton's autotuner, with picks kept across processes.
+"""``PersistentAutotuner``: Triton's autotuner, with picks kept across processes, untuned
+shapes compiled in parallel, and tuned shapes traced with their pick alone.
 
-Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU; a stored
-pick that is still in its config space is installed as if it had just been timed. After a
-key is tuned, the pick is stored. ``tuning_key`` reproduces the key Triton's ``Autotuner.run``
-caches its pick under (the ``key`` arguments' values, then the dtype of every argument that has
-one), so the two never disagree.
+- Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU; a stored
+  pick still in its config space is installed as if it had just been timed. After a key is
+  tuned, the pick is stored.
+- An untuned key on real tensors first compiles every pruned config at once on a thread pool
+  through Triton's async compile (``precompile_untuned_configs``), since a cold start is
+  compile-bound; only where CPython's ``ast`` is thread safe (3.11.8+ / 3.12.2+). A failing
+  precompile is logged and the configs compile one by one as usual.
+- ``tuned_kernel`` hands tracing (torch.compile, AOTInductor) a single-config autotuner for a
+  tuned key, one object per config around the same JIT function, so Inductor compiles only
+  the pick and does not time again; an untuned key gets the full autotuner.
+- ``tuning_key`` reproduces the key Triton's ``Autotuner.run`` caches its pick under (the
+  ``key`` arguments' values, then the dtype of every argument that has one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels.autotune.persistent import PickStore, config_to_json, matching_config
+
+try:
+    from triton.runtime import _async_compile
+except ImportError:  # a Triton without async compile compiles serially
+    _async_compile = None
+
+logger = logging.getLogger(__name__)
 
 
 def tuning_key(autotuner: triton.runtime.Autotuner, args, kwargs) -> tuple:
@@ -24,21 +47,76 @@ def tuning_key(autotuner: triton.runtime.Autotuner, args, kwargs) -> tuple:
 
 
 class PersistentAutotuner(triton.runtime.Autotuner):
+    def restore(self, key: tuple, args) -> bool:
+        """Install a stored pick for ``key``; True if there was one."""
+        store = _store_for(self.base_fn.__name__, args)
+        stored = store.get(key) if store is not None else None
+        config = matching_config(self.configs, stored) if stored else None
+        if config is not None:
+            self.cache[key] = config
+        return config is not None
+
     def run(self, *args, **kwargs):
-        store = key = None
-        if len(self.configs) > 1:
-            key = tuning_key(self, args, kwargs)
-            if key not in self.cache:
-                store = _store_for(self.base_fn.__name__, args)
-                stored = store.get(key) if store is not None else None
-                config = matching_config(self.configs, stored) if stored else None
-                if config is not None:
-                    self.cache[key] = config
-                    store = None
+        key = tuning_key(self, args, kwargs) if len(self.configs) > 1 else None
+        tuning = key is not None and key not in self.cache and not self.restore(key, args)
+        if tuning:
+            precompile_untuned_configs(self, args, kwargs)
         result = super().run(*args, **kwargs)
-        if store is not None and key in self.cache:
-            store.put(key, config_to_json(self.cache[key]))
+        if tuning and key in self.cache:
+            store = _store_for(self.base_fn.__name__, args)
+            if store is not None:
+                store.put(key, config_to_json(self.cache[key]))
         return result
+
+
+@functools.lru_cache(maxsize=None)
+def single_config(autotuner: triton.runtime.Autotuner, config: triton.Config):
+    """An autotuner of ``config`` alone around ``autotuner``'s JIT function (compiled binaries
+    are shared); one object per (autotuner, config)."""
+    return PersistentAutotuner(autotuner.fn, autotuner.fn.arg_names, [config], autotuner.keys,
+                               reset_to_zero=None, restore_value=None)
+
+
+def tuned_kernel(autotuner, args, kwargs):
+    """The single-config autotuner of this key's pick, or ``autotuner`` if it is untuned."""
+    if len(autotuner.configs) <= 1:
+        return autotuner
+    key = tuning_key(autotuner, args, kwargs)
+    if key not in autotuner.cache and isinstance(autotuner, PersistentAutotuner):
+        autotuner.restore(key, args)
+    config = autotuner.cache.get(key)
+    return autotuner if config is None else single_config(autotuner, config)
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_compile_available() -> bool:
+    """Triton has async compile, and CPython's ast is thread safe (3.11.8+, 3.12.2+)."""
+    if _async_compile is None:
+        return False
+    version = tuple(sys.version_info[:3])
+    return (3, 11, 8) <= version < (3, 12) or version >= (3, 12, 2)
+
+
+@contextlib.contextmanager
+def compile_pool():
+    workers = max(1, min(32, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as executor, _async_compile.AsyncCompileMode(executor):
+        yield
+
+
+def precompile_untuned_configs(autotuner, args, kwargs) -> None:
+    """Compile every pruned config of an untuned key in parallel, without launching."""
+    if not parallel_compile_available() or len(autotuner.configs) <= 1:
+        return
+    if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        return
+    if tuning_key(autotuner, args, kwargs) in autotuner.cache:
+        return
+    try:
+        with compile_pool():
+            autotuner.warmup(*args, grid=(1,), **kwargs)
+    except Exception as error:  # the launch then compiles config by config
+        logger.warning("parallel precompile of %s failed: %s", autotuner.base_fn.__name__, error)
 
 
 def _store_for(kernel_name: str, args):

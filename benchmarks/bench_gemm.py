@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from coalesced_int4.kernels import autotune_launch_params, launch
-from coalesced_int4.kernels.rules import W4A8_BUCKETS
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 from safetensors.torch import save_file
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from coalesced_int4 import CudaCoalescedInt4Tensor
 from coalesced_int4.dispatch import linear as dispatch_linear
 from coalesced_int4.quantize import dequantize_packed
-from tests.conftest import random_weight
+
 
 
 def _reference(x, weight, bias=None):

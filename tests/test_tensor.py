@@ -9,7 +9,7 @@ from torchao.quantization import Int4Tensor
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 
 from coalesced_int4 import CudaCoalescedInt4Tensor
-from coalesced_int4.quantize import PackedInt4, dequantize_packed, pack_nibbles, quantize_weight
+from coalesced_int4.quantize import dequantize_packed, pack_nibbles
 from tests.conftest import random_weight
 
 

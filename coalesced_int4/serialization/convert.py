@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import math
 import shutil
 import time

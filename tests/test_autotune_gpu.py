@@ -1,0 +1,161 @@
+"""Autotuning on the GPU (skipped without CUDA): parallel precompile of an untuned shape,
+tracing hands Inductor only a tuned shape's pick, dynamic M is timed apart from static M, and
+a second process restores every pick from the persistent cache instead of timing."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from coalesced_int4.kernels import BUCKET_KERNELS, INT4_QUANTIZED_GEMM, autotune_launch_params, clear_launch_param_cache, launch
+from coalesced_int4.kernels import family
+from coalesced_int4.kernels.autotune import tuner
+from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight, requires_cuda
+
+pytestmark = requires_cuda
+
+
+def _packed(n, k, seed):
+    return packed_weight(n, k, seed=seed, device="cuda")[0]
+
+
+def _x(m, k):
+    return torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("COALESCED_INT4_CACHE_DIR", str(tmp_path / "picks"))
+
+
+@pytest.mark.skipif(not tuner.parallel_compile_available(), reason="no parallel compile here")
+def test_an_untuned_shape_compiles_its_configs_in_the_pool_first():
+    submitted = []
+    real = tuner._async_compile.AsyncCompileMode.submit
+
+    def counting(mode, *args, **kwargs):
+        submitted.append(args[0])
+        return real(mode, *args, **kwargs)
+
+    packed = _packed(384, 2304, seed=7)
+    x = _x(2, 2304)
+    with mock.patch.object(tuner._async_compile.AsyncCompileMode, "submit", counting):
+        out = launch(2, x, *packed, 32, split_k=1)
+        pooled = len(submitted)
+        again = launch(2, x, *packed, 32, split_k=1)
+    assert pooled > 1 and len(submitted) == pooled  # a tuned key is not compiled again
+    assert torch.equal(out, again)
+    assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+def test_fake_tensors_are_never_precompiled():
+    with mock.patch.object(tuner, "compile_pool") as pool:
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) for t in (_x(1, 1792), *_packed(384, 1792, seed=19))]
+            launch(1, *fake, 32)
+    pool.assert_not_called()
+
+
+def test_a_failing_precompile_does_not_block_the_launch(caplog):
+    packed = _packed(320, 1792, seed=29)
+    x = _x(1, 1792)
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(BUCKET_KERNELS[1], "warmup", side_effect=RuntimeError("no precompile")):
+        out = launch(1, x, *packed, 32)
+    assert "no precompile" in caplog.text
+    assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+def _recording_wrap():
+    traced = []
+    wrap = family.wrap_triton
+
+    def recording(kernel):
+        traced.append(kernel)
+        return wrap(kernel)
+
+    return traced, mock.patch.object(family, "wrap_triton", recording)
+
+
+def test_a_tuned_shape_traces_only_its_picked_config():
+    torch._dynamo.reset()
+    packed = _packed(832, 1536, seed=41)
+    x = _x(16, 1536)
+    op = INT4_QUANTIZED_GEMM.op(16)
+    with torch.no_grad():
+        eager = op(x, *packed, 32)  # tunes this shape
+        compiled, code = torch._inductor.utils.run_and_get_code(
+            torch.compile(lambda x: op(x, *packed, 32), fullgraph=True), x)
+    source = "\n".join(code)
+    assert "def _w4a16_kernel(" in source
+    block = source[source.rindex("user_autotune(", 0, source.index("def _w4a16_kernel(")):]
+    assert block[: block.index("],")].count("'num_warps'") == 1
+    assert_close_to_reference(compiled, eager)
+
+
+def test_an_untuned_shape_traces_every_config():
+    traced, patch = _recording_wrap()
+    with patch, FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (_x(16, 1280), *_packed(704, 1280, seed=43))]
+        launch(16, *fake, 32, split_k=1)
+    assert traced[0] is BUCKET_KERNELS[16]
+
+
+def test_traced_picks_are_one_object_per_config():
+    packed = _packed(832, 1536, seed=42)
+    x = _x(16, 1536)
+    launch(16, x, *packed, 32, split_k=1)  # tune
+    traced, patch = _recording_wrap()
+    with patch, FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (x, *packed)]
+        for _ in range(3):
+            launch(16, *fake, 32, split_k=1)
+    picks = [k for k in traced if k is not BUCKET_KERNELS[16] and len(getattr(k, "configs", [])) == 1]
+    assert len(picks) == 3 and all(k is picks[0] for k in picks)
+    assert picks[0].configs[0] in BUCKET_KERNELS[16].cache.values()
+
+
+def test_dynamic_m_is_timed_apart_from_static_m():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    clear_launch_param_cache()
+    packed = _packed(768, 512, seed=34)
+    x = _x(4, 512)
+    with autotune_launch_params() as stats:
+        with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+            fake_x = mode.from_tensor(x, source=ConstantSource("x"), symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+            assert not isinstance(fake_x.shape[0], int)
+            launch(4, fake_x, *(mode.from_tensor(t) for t in packed), 32)
+        dynamic_measured = stats.measured
+        launch(4, x, *packed, 32)
+    assert dynamic_measured == 1 and stats.measured == 2
+
+
+WARM_START = textwrap.dedent("""
+    import sys, time, torch
+    from coalesced_int4.kernels import autotune_launch_params, launch
+    from tests.conftest import packed_weight
+    packed = packed_weight(4096, 4096, seed=1, device="cuda")[0]
+    x = torch.randn(4, 4096, dtype=torch.bfloat16, device="cuda")
+    start = time.perf_counter()
+    with autotune_launch_params() as stats:
+        launch(4, x, *packed, 32)
+    torch.cuda.synchronize()
+    print(stats.measured, stats.restored, time.perf_counter() - start)
+""")
+
+
+def test_a_second_process_restores_picks_instead_of_timing(tmp_path):
+    env = {**os.environ, "COALESCED_INT4_CACHE_DIR": str(tmp_path / "warm")}
+    runs = [subprocess.run([sys.executable, "-c", WARM_START], env=env, capture_output=True, text=True,
+                           check=True, timeout=600).stdout.split() for _ in range(2)]
+    (cold_measured, cold_restored, _), (warm_measured, warm_restored, _) = runs
+    assert (cold_measured, cold_restored) == ("1", "0")
+    assert (warm_measured, warm_restored) == ("0", "1")

@@ -1,0 +1,131 @@
+"""Quantized models compiled, exported, packaged and captured (GPU; skipped without CUDA):
+torch.compile of the decoder for decode and prefill, dynamic M, an AOTInductor package loaded
+in a fresh process, CUDA-graph replay, and a KV-cache decode that gives the same tokens eager
+and compiled."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.nn.functional as F
+
+import coalesced_int4 as ci4
+from coalesced_int4.decoder import DEMO, build_decoder, decode_step, generate
+from tests.conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+
+def _quantized_decoder():
+    model = build_decoder(DEMO, seed=0, device="cuda")
+    ci4.quantize_(model, ci4.int4_config())
+    return model
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().mean() / b.float().abs().mean()).item()
+
+
+def test_compiled_decoder_matches_eager_for_decode_and_prefill():
+    torch._dynamo.reset()
+    model = _quantized_decoder()
+    compiled = torch.compile(model, fullgraph=True)
+    for length in (1, 64, 200):  # bucket 1, bucket 64, fallback
+        tokens = torch.randint(0, DEMO.vocab_size, (1, length), device="cuda")
+        positions = torch.arange(length, device="cuda")
+        with torch.no_grad():
+            model.setup_cache(1)
+            eager = model(tokens, positions)
+            model.setup_cache(1)
+            out = compiled(tokens, positions)
+        assert _rel(out, eager) < 0.01, length
+
+
+def test_the_compiled_code_launches_the_int4_kernels():
+    torch._dynamo.reset()
+    model = _quantized_decoder()
+    model.setup_cache(1)
+    tokens = torch.randint(0, DEMO.vocab_size, (1, 1), device="cuda")
+    with torch.no_grad():
+        _, code = torch._inductor.utils.run_and_get_code(
+            torch.compile(model, fullgraph=True), tokens, torch.tensor([0], device="cuda"))
+    source = "\n".join(code)
+    assert "_w4a8_kernel" in source and "_quantize_activation_kernel" in source
+
+
+def test_a_dynamic_m_compiles_once_per_bucket_range():
+    torch._dynamo.reset()
+    weight = ci4.CudaCoalescedInt4Tensor.from_float(torch.randn(512, 1024, device="cuda"))
+    compiled = torch.compile(lambda x: F.linear(x, weight), fullgraph=True)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for m in (2, 3, 4):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=4)
+        assert _rel(compiled(x), F.linear(x.float(), weight.dequantize(torch.float32))) < 0.03
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+
+
+AOTI_LOAD = textwrap.dedent("""
+    import sys, torch
+    import coalesced_int4  # registers the coalesced_int4 ops the package calls
+    runner = torch._inductor.aoti_load_package(sys.argv[1])
+    x = torch.load(sys.argv[2])
+    torch.save(runner(x), sys.argv[3])
+""")
+
+
+def test_an_aoti_package_runs_in_a_fresh_process(tmp_path):
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(1024, 2048, bias=False)
+            self.down = torch.nn.Linear(2048, 1024, bias=False)
+
+        def forward(self, x):
+            return self.down(F.silu(self.up(x)))
+
+    model = Mlp().to(torch.bfloat16).cuda()
+    ci4.quantize_(model, ci4.int4_config())
+    x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda")
+    program = torch.export.export(model, (x,))
+    assert sum("int4_quantized_gemm_m4" in str(n.target) for n in program.graph.nodes) == 2
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "mlp.pt2"))
+    torch.save(x, tmp_path / "x.pt")
+    subprocess.run([sys.executable, "-c", AOTI_LOAD, package, str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                   check=True, timeout=600)
+    loaded = torch.load(tmp_path / "y.pt")
+    loaded = loaded[0] if isinstance(loaded, (list, tuple)) else loaded
+    with torch.no_grad():
+        assert _rel(loaded, model(x)) < 0.01
+
+
+def test_cuda_graph_replay_of_a_warmed_up_model_is_bit_identical():
+    model = _quantized_decoder()
+    model.setup_cache(1)
+    token = torch.randint(0, DEMO.vocab_size, (1, 1), device="cuda")
+    position = torch.tensor([3], device="cuda")
+    with torch.no_grad():
+        eager = decode_step(model, token, position)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                decode_step(model, token, position)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = decode_step(model, token, position)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_decoding_with_a_kv_cache_gives_the_same_tokens_eager_and_compiled():
+    torch._dynamo.reset()
+    model = _quantized_decoder()
+    prompt = torch.randint(0, DEMO.vocab_size, (1, 16), device="cuda")
+    eager, _ = generate(model, prompt, 24)
+    step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+    compiled, _ = generate(model, prompt, 24, step=step)
+    assert torch.equal(compiled, eager)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository, for one call on a GPU machine, each step capped in time
+# and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files), gemm (kernel
+# benchmark), decode (decode benchmark). Default: tests then gemm.
+#   benchmarks/gpu_checks.sh [tests] [gemm] [decode]
+set -u
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+if [ -d .whl ]; then  # wheels the GPU image lacks (see ../shared/tools/device-wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD} TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONUNBUFFERED=1
+steps=${*:-tests gemm}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$out/gpu.txt" 2>&1
+for step in $steps; do
+  case $step in
+    tests)
+      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
+        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py \
+        > "$out/tests.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;
+    gemm)
+      timeout "${GEMM_S:-240}" python benchmarks/bench_gemm.py --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" \
+        --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \
+        > "$out/gemm.log" 2>&1
+      grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
+    decode)
+      timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --batches "${BATCHES:-1,4,16}" \
+        --json "$out/decode.json" > "$out/decode.log" 2>&1
+      grep -E "^\||tok/s" "$out/decode.log" | tail -20 ;;
+  esac
+done

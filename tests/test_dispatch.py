@@ -10,7 +10,6 @@ from coalesced_int4.dispatch import linear as dispatch_linear
 from coalesced_int4.quantize import dequantize_packed
 
 
-
 def _reference(x, weight, bias=None):
     """fp32 linear with the exact fp32 dequantized weight."""
     dense = dequantize_packed(weight.packed, torch.float32)

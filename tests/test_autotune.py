@@ -294,6 +294,15 @@ def test_the_gate_decides_whether_an_untuned_launch_precompiles(gate):
     assert autotuner.warmup.called == gate
 
 
+def test_precompile_passes_the_launch_keywords_once():
+    autotuner = _mock_autotuner()
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", mock.MagicMock()):
+        tuner.precompile_untuned_configs(autotuner, (torch.zeros(2),), {"grid": (7,), "warmup": False, "BUCKET": 1})
+    autotuner.warmup.assert_called_once()
+    assert autotuner.warmup.call_args.kwargs == {"grid": (1,), "BUCKET": 1}
+
+
 def test_fake_or_tuned_launches_are_not_precompiled():
     with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
             mock.patch.object(tuner, "compile_pool", mock.MagicMock()):

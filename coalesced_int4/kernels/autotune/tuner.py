@@ -112,9 +112,11 @@ def precompile_untuned_configs(autotuner, args, kwargs) -> None:
         return
     if tuning_key(autotuner, args, kwargs) in autotuner.cache:
         return
+    # Launch-only keywords (kernel[grid](...) passes grid and warmup to Autotuner.run).
+    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
     try:
         with compile_pool():
-            autotuner.warmup(*args, grid=(1,), **kwargs)
+            autotuner.warmup(*args, grid=(1,), **meta)
     except Exception as error:  # the launch then compiles config by config
         logger.warning("parallel precompile of %s failed: %s", autotuner.base_fn.__name__, error)
 

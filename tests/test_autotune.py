@@ -344,3 +344,32 @@ def test_a_tuned_key_is_traced_with_one_object_holding_only_its_pick():
         assert picked.fn is autotuner.fn and tuner.tuned_kernel(autotuner, args, kwargs) is picked
     finally:
         del autotuner.cache[key]
+
+
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _increment_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def test_a_persistent_autotuner_stores_its_pick_and_a_new_one_restores_it(cache_dir, monkeypatch):
+    monkeypatch.setattr(tuner, "_store_for", lambda name, args: PickStore(name, "test GPU"))
+    timings = iter([2.0, 1.0])  # the second config is faster
+    configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
+
+    def make(do_bench):
+        return tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None, do_bench=do_bench)(_increment_kernel)
+
+    first = make(lambda call, quantiles: [next(timings)] * len(quantiles))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(300, device=device)
+    first[(triton.cdiv(300, 64),)](x, 300)
+    assert first.cache[(300, "torch.float32")] is configs[1]
+
+    second = make(mock.Mock(side_effect=AssertionError("a restored pick is not timed")))
+    second[(triton.cdiv(300, 64),)](x, 300)
+    assert second.cache[(300, "torch.float32")] == configs[1]
+    assert torch.equal(x, torch.full((300,), 2.0, device=device))  # launched once per call

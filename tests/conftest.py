@@ -10,6 +10,13 @@ if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter (set before they import).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+@pytest.fixture(autouse=True, scope="session")
+def private_autotune_cache(tmp_path_factory):
+    """Tests never read or write the user's persistent autotune picks."""
+    os.environ["COALESCED_INT4_CACHE_DIR"] = str(tmp_path_factory.mktemp("autotune-picks"))
+    yield
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

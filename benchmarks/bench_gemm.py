@@ -23,18 +23,18 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from coalesced_int4.kernels import autotune_launch_params, launch
+from coalesced_int4.kernels import SUPPORTED_BUCKETS, autotune_launch_params, launch
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
 M_VALUES = (1, 2, 3, 4, 8, 16, 32, 64)
-BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
 INT4_BYTES_PER_WEIGHT = 4.625 / 8
 MIN_CALLS = 300
 
 
 def bucket_for(m: int) -> int:
-    return next(b for b in BUCKETS if b >= m)
+    """The bucket dispatch runs for M (the smallest that covers it)."""
+    return next(b for b in SUPPORTED_BUCKETS if b >= m)
 
 
 def l2_bytes() -> int:

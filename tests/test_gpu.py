@@ -13,6 +13,8 @@ from coalesced_int4.kernels import (
     SPLIT_K_CANDIDATES,
     SUPPORTED_BUCKETS,
     TILE_SPLIT_K_CANDIDATES,
+    W4A8_BUCKETS,
+    W4A16_BUCKETS,
     InvalidLaunchParam,
     autotune_launch_params,
     clear_launch_param_cache,
@@ -27,8 +29,6 @@ pytestmark = requires_cuda
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 SMALL_SHAPES = ((768, 256), (256, 768), (1536, 512))
-W4A8_BUCKETS = (1, 2, 3, 4)
-W4A16_BUCKETS = (8, 16, 32, 64)
 SMALLER_M = {8: 6, 16: 8, 32: 24, 64: 48}
 
 
@@ -38,6 +38,13 @@ def _packed(n, k, seed=0):
 
 def _x(m, k):
     return torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+
+
+def _op_matches_reference(bucket, packed, k):
+    x = _x(bucket, k)
+    out = INT4_QUANTIZED_GEMM.op(bucket)(x, *packed, 32)
+    assert out.shape == (bucket, packed[0].shape[0]) and out.dtype == torch.bfloat16
+    assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 
 
 def _close16(out, ref):
@@ -62,27 +69,20 @@ def test_every_w4a8_config_matches_dequant_matmul(n, k):
 def test_every_bucket_matches_dequant_matmul_on_small_shapes(n, k):
     packed = _packed(n, k, seed=n + k)
     for bucket in SUPPORTED_BUCKETS:
-        x = _x(bucket, k)
-        out = INT4_QUANTIZED_GEMM.op(bucket)(x, *packed, 32)
-        assert out.shape == (bucket, n) and out.dtype == torch.bfloat16
-        assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+        _op_matches_reference(bucket, packed, k)
 
 
 @pytest.mark.parametrize("n, k", MODEL_SHAPES)
 def test_w4a8_buckets_on_model_shapes(n, k):
     packed = _packed(n, k, seed=n ^ k)
     for bucket in W4A8_BUCKETS:
-        x = _x(bucket, k)
-        assert_close_to_reference(INT4_QUANTIZED_GEMM.op(bucket)(x, *packed, 32),
-                                  dequant_matmul_reference(x, packed))
+        _op_matches_reference(bucket, packed, k)
 
 
 def test_tail_shape_every_bucket():
     packed = _packed(257, 256, seed=7)
     for bucket in SUPPORTED_BUCKETS:
-        x = _x(bucket, 256)
-        assert_close_to_reference(INT4_QUANTIZED_GEMM.op(bucket)(x, *packed, 32),
-                                  dequant_matmul_reference(x, packed))
+        _op_matches_reference(bucket, packed, 256)
 
 
 def test_every_w4a8_split_matches_and_an_illegal_split_is_rejected():

@@ -3,8 +3,11 @@ in Triton's interpreter (conftest sets TRITON_INTERPRET=1); with a GPU they run 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
+from coalesced_int4.kernels.split_k import split_bounds
 from coalesced_int4.kernels.w4a8 import quantize_activations
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
 
@@ -107,3 +110,21 @@ def test_split_k_reduction_is_bit_identical(bucket):
     x = _x(bucket, 1536, seed=4)
     first = launch(bucket, x, *packed, 32, split_k=4)
     assert torch.equal(first, launch(bucket, x, *packed, 32, split_k=4))
+
+
+@triton.jit
+def _split_bounds_probe(out_ptr, split_k, super_blocks):
+    split = tl.program_id(0)
+    first, count = split_bounds(split, split_k, super_blocks)
+    tl.store(out_ptr + 2 * split, first)
+    tl.store(out_ptr + 2 * split + 1, count)
+
+
+@pytest.mark.parametrize("super_blocks, split_k", [(26, 8), (3, 3), (16, 16), (26, 1)])
+def test_splits_partition_the_super_blocks_evenly(super_blocks, split_k):
+    bounds = torch.full((split_k, 2), -1, dtype=torch.int32, device=DEVICE)
+    _split_bounds_probe[(split_k,)](bounds, split_k, super_blocks)
+    ranges = bounds.cpu().tolist()
+    covered = [sb for start, count in ranges for sb in range(start, start + count)]
+    assert covered == list(range(super_blocks))
+    assert max(c for _, c in ranges) - min(c for _, c in ranges) <= 1

@@ -24,7 +24,6 @@ from coalesced_int4.kernels.rules import (
     W4A16_BLOCK_N,
     W4A16_STAGES,
     W4A16_WARPS,
-    split_range,
 )
 
 
@@ -170,14 +169,6 @@ def test_split_k_needs_one_super_block_per_split(k):
         else:
             with pytest.raises(InvalidLaunchParam, match=f"split_k={split} needs K >= {split * 256}, got K={k}"):
                 check_split_k(split, k)
-
-
-@pytest.mark.parametrize("super_blocks, split_k", [(26, 8), (3, 3), (16, 16), (26, 1)])
-def test_splits_partition_the_super_blocks_evenly(super_blocks, split_k):
-    ranges = [split_range(s, split_k, super_blocks) for s in range(split_k)]
-    covered = [sb for start, count in ranges for sb in range(start, start + count)]
-    assert covered == list(range(super_blocks))
-    assert max(c for _, c in ranges) - min(c for _, c in ranges) <= 1
 
 
 def test_w4a8_config_space():

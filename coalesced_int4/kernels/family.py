@@ -14,20 +14,19 @@ code; its fake kernel returns an empty bf16 ``(M, N)`` with M symbolic when it i
 from __future__ import annotations
 
 import inspect
-import os
 import typing
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
-from torch.library import triton_op, wrap_triton  # noqa: F401  (wrap_triton: patched in tests)
+import triton
+from torch.library import triton_op, wrap_triton  # noqa: F401  (looked up here at launch; tests patch it)
 
 NAMESPACE = "coalesced_int4"
 
 
-def use_interpreter_paths() -> bool:
-    """True under ``TRITON_INTERPRET=1``: kernels take their pure-Triton paths (no inline
-    asm) and upcast bf16 dot operands to fp32 (the interpreter's bf16 dot is wrong)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETER = bool(triton.knobs.runtime.interpret)
+"""Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, fixed when Triton decorates
+them): kernels take their ``INTERPRET`` paths (no inline asm, bf16 math in fp32)."""
 
 
 class QuantizedGemmFamily:

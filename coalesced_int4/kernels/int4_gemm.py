@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from coalesced_int4.kernels.autotune.do_bench import autotune_do_bench
 from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
 from coalesced_int4.kernels.autotune.tuner import persistent_autotune, single_config
-from coalesced_int4.kernels.family import QuantizedGemmFamily, use_interpreter_paths
+from coalesced_int4.kernels.family import INTERPRETER, QuantizedGemmFamily
 from coalesced_int4.kernels.rules import (
     SPLIT_K_CANDIDATES,
     SUPPORTED_BUCKETS,
@@ -53,29 +53,30 @@ BUCKET_KERNELS = {b: _autotuner(b, int4_autotune_configs(b)) for b in SUPPORTED_
 """The autotuner of each bucket (looked up at launch time, so tests may patch entries)."""
 
 
-def _kernel(bucket: int, k: int, split_k: int, config: Optional[triton.Config]):
-    if config is None and use_interpreter_paths():
+def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[triton.Config]):
+    """Check the split, pick the kernel (the bucket's autotuner, or ``config`` alone), launch."""
+    k = x.shape[1]
+    check_split_k(split_k, k)
+    if config is None and INTERPRETER:
         # The interpreter cannot time configs: run the first one the prune rule keeps.
         config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "split_k": split_k})[0]
-    return BUCKET_KERNELS[bucket] if config is None else single_config(BUCKET_KERNELS[bucket], config)
+    kernel = BUCKET_KERNELS[bucket] if config is None else single_config(BUCKET_KERNELS[bucket], config)
+    return family_launch(bucket, x, weights, split_k=split_k, kernel=kernel)
 
 
+# One launcher per family, so each times its own split candidates.
 @autotune_launch_param("split_k", SPLIT_K_CANDIDATES)
 def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                  dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
-    k = x.shape[1]
-    check_split_k(split_k, k)
-    return launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
-                       split_k=split_k, kernel=_kernel(bucket, k, split_k, config))
+    weights = (qdata, scale, scale_step, zero_point, zero_point_step)
+    return _run(launch_w4a8, bucket, x, weights, split_k, config)
 
 
 @autotune_launch_param("split_k", TILE_SPLIT_K_CANDIDATES)
 def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                   dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
-    k = x.shape[1]
-    check_split_k(split_k, k)
-    return launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
-                        split_k=split_k, kernel=_kernel(bucket, k, split_k, config))
+    weights = (qdata, scale, scale_step, zero_point, zero_point_step)
+    return _run(launch_w4a16, bucket, x, weights, split_k, config)
 
 
 def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step,

@@ -93,15 +93,6 @@ def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
         raise InvalidLaunchParam(f"split_k={split_k} needs K >= {split_k * unit}, got K={k}")
 
 
-def split_range(split: int, split_k: int, super_blocks: int):
-    """Super-blocks ``[start, start + count)`` of split ``split`` in the balanced partition:
-    the first ``super_blocks % split_k`` splits take one extra. (Host-side mirror of the
-    kernels' ``_split_bounds``, for the tests.)"""
-    base, extra = divmod(super_blocks, split_k)
-    start = split * base + min(split, extra)
-    return start, base + (split < extra)
-
-
 # ------------------------------------------------------------------ autotune config spaces
 W4A8_TILES = ((16, 4), (32, 4), (64, 4))
 """(BLOCK_N, num_warps): output columns and warps per program. Kept small on purpose: each

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 
+from coalesced_int4.kernels import family
 from coalesced_int4.kernels.autotune.tuner import tuned_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 
@@ -43,31 +44,34 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
-def launch_split_k_gemm(kernel, *, bucket, m, n, device, split_k, inputs, scalars, **constexprs):
-    """Launch ``kernel(*inputs, out_or_partial, *scalars, split_k, stride_s, stride_m,
-    PARTIAL=split_k > 1, **constexprs)`` on the grid (N tiles, split_k); reduce the partials
-    if split_k > 1. The split count is a runtime argument so every split shares one binary."""
-    from coalesced_int4.kernels.family import use_interpreter_paths, wrap_triton
-
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):
+    """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
+    if split_k > 1. Both kernels take ``(*activations, qdata as int32 words, scale,
+    scale_step, zero_point, zero_point_step, out, M, N, K, *activation_strides, code-word,
+    code and step row strides, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET)``.
+    The split count is a runtime argument so every split shares one binary."""
+    qdata, scale, scale_step, zero_point, zero_point_step = weights
+    n = qdata.shape[0]
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
     if split_k == 1:
         target, stride_s = out, 0
     else:
-        target = torch.empty((split_k, bucket, n), dtype=torch.float32, device=device)
+        target = torch.empty((split_k, bucket, n), dtype=torch.float32, device=qdata.device)
         stride_s = target.stride(0)
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
 
-    args = (*inputs, target, *scalars, split_k, stride_s, target.stride(-2))
-    kwargs = {"PARTIAL": split_k > 1, **constexprs}
+    args = (*activations, qdata.view(torch.int32), scale, scale_step, zero_point, zero_point_step,
+            target, m, n, k, *activation_strides, qdata.stride(0) // 4, scale.stride(0),
+            scale_step.stride(0), split_k, stride_s, target.stride(-2))
+    kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
-    wrap_triton(kernel)[grid](*args, **kwargs)
+    family.wrap_triton(kernel)[grid](*args, **kwargs)
     if split_k > 1:
-        wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+        family.wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
             target, out, n, stride_s, target.stride(-2), out.stride(0),
-            SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=use_interpreter_paths(),
-            num_warps=4,
+            SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4,
         )
     return out

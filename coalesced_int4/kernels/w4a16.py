@@ -11,7 +11,6 @@ activation row is covered by one tile so each weight is decoded exactly once.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -103,15 +102,8 @@ def _w4a16_kernel(
         tl.store(ptrs, acc, mask=mask)
 
 
-def launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, *,
-                 split_k: int, kernel):
-    from coalesced_int4.kernels.family import use_interpreter_paths
-
-    m, k = x.shape
-    n = qdata.shape[0]
+def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     return launch_split_k_gemm(
-        kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
-        inputs=(x, qdata.view(torch.int32), scale, scale_step, zero_point, zero_point_step),
-        scalars=(m, n, k, x.stride(0), qdata.stride(0) // 4, scale.stride(0), scale_step.stride(0)),
-        BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+        kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
+        activations=(x,), activation_strides=(x.stride(0),), weights=weights,
     )

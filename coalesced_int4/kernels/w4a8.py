@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from coalesced_int4.kernels import family
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.quantize import GROUP_SIZE
@@ -83,13 +84,11 @@ def _quantize_activation_kernel(
 
 def quantize_activations(x: torch.Tensor):
     """x (M, K) bf16 -> (int32 words (M, K/4), fp32 scales (M, K/32), int32 sums (M, K/32))."""
-    from coalesced_int4.kernels.family import wrap_triton
-
     m, k = x.shape
     words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
     scale = torch.empty((m, k // GROUP_SIZE), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // GROUP_SIZE), dtype=torch.int32, device=x.device)
-    wrap_triton(_quantize_activation_kernel)[(k // ACT_TILE, m)](
+    family.wrap_triton(_quantize_activation_kernel)[(k // ACT_TILE, m)](
         x, words, scale, sums, x.stride(0), words.stride(0), scale.stride(0), num_warps=8,
     )
     return words, scale, sums
@@ -200,19 +199,11 @@ def _store_row(ptrs, values, mask, PARTIAL: tl.constexpr, INTERPRET: tl.constexp
         tl.store(ptrs, values, mask=mask)
 
 
-def launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, *,
-                split_k: int, kernel):
+def launch_w4a8(bucket, x, weights, *, split_k: int, kernel):
     """Quantize x, then run ``kernel`` (the bucket's autotuner or a single-config one)."""
-    from coalesced_int4.kernels.family import use_interpreter_paths
-
-    m, k = x.shape
-    n = qdata.shape[0]
     words, x_scale, x_sum = quantize_activations(x)
     return launch_split_k_gemm(
-        kernel, bucket=bucket, m=m, n=n, device=x.device, split_k=split_k,
-        inputs=(words, x_scale, x_sum, qdata.view(torch.int32), scale, scale_step,
-                zero_point, zero_point_step),
-        scalars=(m, n, k, words.stride(0), x_scale.stride(0), qdata.stride(0) // 4,
-                 scale.stride(0), scale_step.stride(0)),
-        BUCKET=bucket, INTERPRET=use_interpreter_paths(),
+        kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
+        activations=(words, x_scale, x_sum), activation_strides=(words.stride(0), x_scale.stride(0)),
+        weights=weights,
     )

@@ -160,8 +160,6 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
                         _cache[key] = choice
             return fn(*args, **{**kwargs, param: candidates[0] if choice is None else choice})
 
-        wrapper.launch_param = param
-        wrapper.launch_candidates = candidates
         return wrapper
 
     return decorate

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 import coalesced_int4 as ci4
+from coalesced_int4.kernels import autotune_launch_params
 from coalesced_int4.decoder import LLAMA3_8B, build_decoder, decode_step, generate
 
 PROMPT = 16
@@ -54,12 +55,22 @@ def measure(model, batch: int) -> Dict[str, float]:
     step = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
     prefill = torch.compile(model, fullgraph=True)
     positions = torch.arange(PROMPT, device="cuda")
-    with torch.no_grad():
+    # Eager steps first, with split-K timing on: every INT4 shape is tuned before tracing, so
+    # the compiled graphs get each shape's picked config and split alone (docs/design.md,
+    # "Tracing picks").
+    with torch.no_grad(), autotune_launch_params():
+        start = time.perf_counter()
+        generate(model, prompt, 2)
+        torch.cuda.synchronize()
+        tuned = time.perf_counter()
         model.setup_cache(batch)
         for _ in range(2):
             prefill(prompt, positions)
         generate(model, prompt, 8, step=step)  # compiles the decode step
         torch.cuda.synchronize()
+        print(f"# batch {batch}: eager warm-up and tuning {tuned - start:.1f} s, "
+              f"compile {time.perf_counter() - tuned:.1f} s", flush=True)
+    with torch.no_grad():
         model.setup_cache(batch)
         start = time.perf_counter()
         prefill(prompt, positions)
@@ -83,7 +94,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     base = build_decoder(LLAMA3_8B, seed=0, device="cuda")
     rows = []
     for method in args.methods.split(","):
+        start = time.perf_counter()
         model = base if method == "bf16" else quantized(base, method)
+        print(f"# {method}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
         size = weight_bytes(model)
         for batch in batches:
             result = measure(model, batch)

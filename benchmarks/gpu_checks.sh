@@ -16,8 +16,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$ou
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider tests/test_gpu.py \
-        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py \
+      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider ${TEST_FILES:-tests/test_gpu.py \
+        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;
     gemm)

@@ -54,10 +54,10 @@ def test_an_untuned_shape_compiles_its_configs_in_the_pool_first():
 
 
 def test_fake_tensors_are_never_precompiled():
+    real = (_x(1, 1792), *_packed(384, 1792, seed=19))
     with mock.patch.object(tuner, "compile_pool") as pool:
         with FakeTensorMode() as mode:
-            fake = [mode.from_tensor(t) for t in (_x(1, 1792), *_packed(384, 1792, seed=19))]
-            launch(1, *fake, 32)
+            launch(1, *(mode.from_tensor(t) for t in real), 32)
     pool.assert_not_called()
 
 
@@ -99,10 +99,10 @@ def test_a_tuned_shape_traces_only_its_picked_config():
 
 
 def test_an_untuned_shape_traces_every_config():
+    real = (_x(16, 1280), *_packed(704, 1280, seed=43))
     traced, patch = _recording_wrap()
     with patch, FakeTensorMode() as mode:
-        fake = [mode.from_tensor(t) for t in (_x(16, 1280), *_packed(704, 1280, seed=43))]
-        launch(16, *fake, 32, split_k=1)
+        launch(16, *(mode.from_tensor(t) for t in real), 32, split_k=1)
     assert traced[0] is BUCKET_KERNELS[16]
 
 
@@ -132,7 +132,8 @@ def test_dynamic_m_is_timed_apart_from_static_m():
             fake_x = mode.from_tensor(x, source=ConstantSource("x"), symbolic_context=StatelessSymbolicContext(
                 dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
             assert not isinstance(fake_x.shape[0], int)
-            launch(4, fake_x, *(mode.from_tensor(t) for t in packed), 32)
+            weights = (mode.from_tensor(t, static_shapes=True) for t in packed)  # parameters are static
+            launch(4, fake_x, *weights, 32)
         dynamic_measured = stats.measured
         launch(4, x, *packed, 32)
     assert dynamic_measured == 1 and stats.measured == 2

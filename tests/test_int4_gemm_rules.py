@@ -174,8 +174,9 @@ def test_split_k_needs_one_super_block_per_split(k):
 def test_w4a8_config_space():
     for bucket in (1, 2, 3, 4):
         configs = int4_autotune_configs(bucket)
-        seen = {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"], c.num_stages) for c in configs}
-        assert seen == {(n, w, s, s) for n, w in W4A8_TILES for s in W4A8_STAGES}
+        seen = {(c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.num_warps, c.kwargs["STAGES"], c.num_stages)
+                for c in configs}
+        assert seen == {(n, g, w, s, s) for n, g, w in W4A8_TILES for s in W4A8_STAGES}
         assert len(configs) == len(W4A8_TILES) * len(W4A8_STAGES)
 
 
@@ -198,8 +199,12 @@ def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_sta
     configs = int4_autotune_configs(bucket)
     kept = prune_int4_configs(configs, {"K": k}, split_k=split)
     assert max(c.kwargs["STAGES"] for c in kept) == max_stages
-    trips = -(-(k // 256) // split)  # one super-block per trip
-    assert kept == [c for c in configs if c.kwargs["STAGES"] <= trips]
+    # Kept iff its stages fit its own trips: ceil(super-blocks per split / (GROUPS / 8)).
+    def trips(c):
+        per_split = -(-(k // 256) // split)
+        return max(1, -(-per_split // max(1, c.kwargs.get("GROUPS", 8) // 8)))
+
+    assert kept == [c for c in configs if c.kwargs["STAGES"] <= trips(c)]
 
 
 def test_prune_keeps_the_shallowest_config_when_none_fits():

@@ -94,9 +94,10 @@ def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
 
 
 # ------------------------------------------------------------------ autotune config spaces
-W4A8_TILES = ((16, 4), (32, 4), (64, 4))
-"""(BLOCK_N, num_warps): output columns and warps per program. Kept small on purpose: each
-config costs seconds of compile per bucket on a cold start."""
+W4A8_TILES = ((8, 32, 4), (16, 32, 4), (32, 16, 4))
+"""(BLOCK_N, GROUPS, num_warps): output columns per program, groups of 32 weights per
+main-loop trip, warps per program. Kept small on purpose: each config costs seconds of
+compile per bucket on a cold start."""
 W4A8_STAGES = (1,)
 W4A16_BLOCK_N = (64, 128)
 W4A16_WARPS = (4,)
@@ -109,8 +110,8 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     x BLOCK_N x warps x stages."""
     if bucket in W4A8_BUCKETS:
         return [
-            triton.Config({"BLOCK_N": n, "STAGES": s}, num_warps=w, num_stages=s)
-            for n, w in W4A8_TILES
+            triton.Config({"BLOCK_N": n, "GROUPS": g, "STAGES": s}, num_warps=w, num_stages=s)
+            for n, g, w in W4A8_TILES
             for s in W4A8_STAGES
         ]
     if bucket in W4A16_BUCKETS:
@@ -123,9 +124,12 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     raise ValueError(f"no autotune space for bucket {bucket}; buckets are {SUPPORTED_BUCKETS}")
 
 
-def main_loop_trips(k: int, split_k: int) -> int:
-    """Trips of a program's K loop (one super-block each) in the largest split."""
-    return max(1, -(-(k // SUPER_BLOCK) // split_k))
+def main_loop_trips(config: triton.Config, k: int, split_k: int) -> int:
+    """Trips of a program's K loop in the largest split: its super-blocks in steps of the
+    config's GROUPS / 8 super-blocks (W4A8) or one super-block (W4A16)."""
+    super_blocks = -(-(k // SUPER_BLOCK) // split_k)
+    per_trip = max(1, config.kwargs.get("GROUPS", 8) // 8)
+    return max(1, -(-super_blocks // per_trip))
 
 
 def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwargs) -> list:
@@ -133,6 +137,5 @@ def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwa
     (``STAGES <= trips``); if none does, the one with the fewest stages."""
     args = {**named_args, **kwargs}
     k, split_k = args["K"], args.get("split_k", 1)
-    trips = main_loop_trips(k, split_k)
-    kept = [c for c in configs if c.kwargs.get("STAGES", 1) <= trips]
+    kept = [c for c in configs if c.kwargs.get("STAGES", 1) <= main_loop_trips(c, k, split_k)]
     return kept or [min(configs, key=lambda c: c.kwargs.get("STAGES", 1))]

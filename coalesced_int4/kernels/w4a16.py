@@ -11,6 +11,7 @@ activation row is covered by one tile so each weight is decoded exactly once.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,17 +21,14 @@ from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 
 @triton.jit
 def _bf16_chain(q, zero, scale, INTERPRET: tl.constexpr):
-    """bf16(bf16(q - zero) * scale) from int32 codes ``q`` in [0, 15] and bf16 ``zero`` and
-    ``scale``. On the GPU, q becomes bf16 without an int-to-float conversion (a quarter-rate
-    instruction): the bits 0x4300 | q are the bf16 number 128 + q, and subtracting 128 is
-    exact. The interpreter does bf16 arithmetic on raw bits, so there each step runs in fp32
-    and is rounded to bf16: the same value, since every fp32 intermediate here is exact."""
+    """bf16(bf16(q - zero) * scale) from bf16 ``zero`` and ``scale``. The interpreter does bf16
+    arithmetic on raw bits, so there each step runs in fp32 and is rounded to bf16: the same
+    value, since every fp32 intermediate here is exact."""
     if INTERPRET:
         diff = to_bf16(q.to(tl.float32) - zero.to(tl.float32), INTERPRET)
         return to_bf16(diff.to(tl.float32) * scale.to(tl.float32), INTERPRET)
     else:
-        exact = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
-        return (exact - zero) * scale
+        return (q.to(tl.float32).to(tl.bfloat16) - zero) * scale
 
 
 @triton.jit
@@ -52,7 +50,7 @@ def _w4a16_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
-    Row strides of the codes (qn, int32 words), scale/zero codes (cn) and steps (sn) are passed
+    Row strides of the codes (qn, bytes), scale/zero codes (cn) and steps (sn) are passed
     apart from K so that Triton's divisibility specialization proves their alignment.
 
     BLOCK_N: weight rows per program. STAGES: software-pipelining depth over super-blocks.
@@ -67,27 +65,25 @@ def _w4a16_kernel(
     rows = tl.where(n_mask, offs_n, 0)
     offs_m = tl.arange(0, BUCKET)
     m_mask = offs_m < M
-    groups = tl.arange(0, 8)[None, :, None]
-    codes = q_ptr + rows[:, None, None] * stride_qn + groups * 4 + tl.arange(0, 4)[None, None, :]
-    meta = rows[:, None, None] * stride_cn + groups
-    steps = rows[:, None, None] * stride_sn
-    nibbles = 4 * tl.arange(0, 8)
+    code_bytes = tl.arange(0, 128)
     columns = tl.arange(0, 256)
+    groups = tl.arange(0, 8)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
     for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
-        # [row, group, word]: word j of group g holds k = 32g + 8j .. +7 in nibbles 0 .. 7
-        packed = tl.load(codes + sb * 32)
-        q = tl.reshape((packed[:, :, :, None] >> nibbles[None, None, None, :]) & 0xF,
-                       [BLOCK_N, 8, 32])
-        # [row, group, 1]: shaped like the codes so the broadcast over 32 stays in registers
-        scale = _bf16_product(tl.load(sc_ptr + meta + sb * 8).to(tl.float32).to(tl.bfloat16),
-                              to_bf16(tl.load(ss_ptr + steps + sb).to(tl.float32), INTERPRET),
+        packed = tl.load(q_ptr + rows[:, None] * stride_qn + sb * 128 + code_bytes[None, :])
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, 256])
+        meta = rows[:, None] * stride_cn + sb * 8 + groups[None, :]
+        step = rows * stride_sn + sb
+        scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
+                              to_bf16(tl.load(ss_ptr + step).to(tl.float32), INTERPRET)[:, None],
                               INTERPRET)
-        zero = _bf16_product(tl.load(zc_ptr + meta + sb * 8).to(tl.float32).to(tl.bfloat16),
-                             to_bf16(tl.load(zs_ptr + steps + sb).to(tl.float32), INTERPRET),
+        zero = _bf16_product(tl.load(zc_ptr + meta).to(tl.float32).to(tl.bfloat16),
+                             to_bf16(tl.load(zs_ptr + step).to(tl.float32), INTERPRET)[:, None],
                              INTERPRET)
-        w = tl.reshape(_bf16_chain(q, zero, scale, INTERPRET), [BLOCK_N, 256])
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
+        w = _bf16_chain(q, zero, scale, INTERPRET)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + sb * 256 + columns[None, :],
                     mask=m_mask[:, None], other=0.0)
         if INTERPRET:
@@ -105,5 +101,5 @@ def _w4a16_kernel(
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
-        activations=(x,), activation_strides=(x.stride(0),), weights=weights,
+        activations=(x,), activation_strides=(x.stride(0),), weights=weights, code_dtype=torch.uint8,
     )

@@ -14,10 +14,10 @@ zero points are applied once per group of 32 in fp32:
 
 Two kernels: ``_quantize_activation_kernel`` (x -> int8 per 32 with an fp32 scale and an int32
 sum) and ``_w4a8_kernel``. Each program of the GEMM owns ``BLOCK_N`` weight rows and walks its
-split of K one super-block (8 groups) at a time, loading each group's 16 bytes of codes as one
-vector of four int32 words; a thread reuses the activation words of its group for every weight
-row it holds. One fp32 accumulator per activation row (up to 4) and group lane, reduced across
-lanes once at the end.
+split of K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32
+words; every thread keeps the activation words of its groups in registers and reuses them for
+all the weight rows it holds. One fp32 accumulator per activation row (up to 4), one partial
+sum per group lane, reduced across lanes once at the end.
 """
 
 from __future__ import annotations
@@ -96,28 +96,23 @@ def quantize_activations(x: torch.Tensor):
 
 @triton.jit
 def _w4a8_row(
-    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row, stride_am, stride_gm, sb,
-    INTERPRET: tl.constexpr,
+    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row, stride_am, stride_gm,
+    word_idx, group_idx, group_mask,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One activation row's contribution for one super-block: [BLOCK_N, 8] fp32."""
-    groups = tl.arange(0, 8)[None, :, None]
-    # Activation words of group g: even-k bytes in words 8g..8g+3, odd-k bytes in 8g+4..8g+7.
-    words = words_ptr + row * stride_am + sb * 64 + groups * 8 + tl.arange(0, 4)[None, None, :]
-    dot_even = tl.sum(_dp4a(w_low, tl.load(words), INTERPRET), axis=2)
-    dot_odd16 = tl.sum(_dp4a(w_high, tl.load(words + 4), INTERPRET), axis=2)
-    dot = (dot_even + (dot_odd16 >> 4)).to(tl.float32)  # high nibbles were x16: exact
-    meta = row * stride_gm + sb * 8 + groups
-    asum = _in_tile_layout(tl.load(xsum_ptr + meta).to(tl.float32))
-    xs = _in_tile_layout(tl.load(xs_ptr + meta))
-    return (dot - asum * wz) * (xs * ws)
-
-
-@triton.jit
-def _in_tile_layout(values):
-    """[R, 8, 1] -> [R, 8]. Per-group values are loaded through pointers shaped like the
-    code tile and reduced over the unit axis, so they arrive in the layout the dot products
-    have; a plain [R, 8] load would be converted through shared memory on every trip."""
-    return tl.sum(values, axis=2)
+    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32."""
+    base = words_ptr + row * stride_am
+    word_mask = tl.reshape(tl.broadcast_to(group_mask[:, None], [GROUPS, 4]), [4 * GROUPS])
+    a_even = tl.load(base + word_idx, mask=word_mask, other=0)
+    a_odd = tl.load(base + word_idx + 4, mask=word_mask, other=0)
+    dot_even = _dp4a(w_low, a_even[None, :], INTERPRET)
+    dot_odd16 = _dp4a(w_high, a_odd[None, :], INTERPRET)  # high nibbles stay x16: exact
+    even = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
+    odd16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
+    dot = (even + (odd16 >> 4)).to(tl.float32)
+    asum = tl.load(xsum_ptr + row * stride_gm + group_idx, mask=group_mask, other=0)
+    xs = tl.load(xs_ptr + row * stride_gm + group_idx, mask=group_mask, other=0.0)
+    return (dot - asum.to(tl.float32)[None, :] * wz) * (xs[None, :] * ws)
 
 
 @triton.jit
@@ -127,6 +122,7 @@ def _w4a8_kernel(
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -135,13 +131,10 @@ def _w4a8_kernel(
     (cn) and steps (sn) per row. They are passed apart from K so that Triton's divisibility
     specialization proves the 16-byte alignment of every row.
 
-    One main-loop trip = one super-block: a [BLOCK_N, 8 groups, 4 words] tile of codes, whole
-    (splits are whole super-blocks, rows past N are clamped), so it needs no mask, loads as
-    one 16-byte vector per group and row, and each group's 4 words stay in one thread.
-    BLOCK_N: weight rows (outputs) per program. STAGES: software-pipelining depth.
-    INTERPRET: portable dp4a and bf16 rounding for Triton's interpreter (inline PTX
-    otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1) instead of
-    bf16 outputs.
+    BLOCK_N: weight rows (outputs) per program. GROUPS: groups of 32 per main-loop trip.
+    STAGES: software-pipelining depth of the main loop. INTERPRET: portable dp4a and bf16
+    rounding for Triton's interpreter (inline PTX otherwise). PARTIAL: write fp32 partials
+    [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -149,38 +142,49 @@ def _w4a8_kernel(
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)  # clamp: out-of-range rows read row 0, never stored
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
-    groups = tl.arange(0, 8)
-    codes = (q_ptr + rows[:, None, None] * stride_qn + groups[None, :, None] * 4
-             + tl.arange(0, 4)[None, None, :])
-    meta = rows[:, None, None] * stride_cn + groups[None, :, None]
-    acc0 = tl.zeros((BLOCK_N, 8), tl.float32)
-    acc1 = tl.zeros((BLOCK_N, 8), tl.float32)
-    acc2 = tl.zeros((BLOCK_N, 8), tl.float32)
-    acc3 = tl.zeros((BLOCK_N, 8), tl.float32)
-    for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
-        # word j of group g holds k = 32g + 8j .. 32g + 8j + 7 (two per byte, low nibble first)
-        w = tl.load(codes + sb * 32)
+    first_group = first_sb * 8
+    end_group = first_group + sb_count * 8
+    lanes = tl.arange(0, GROUPS)
+    word_lanes = tl.arange(0, 4 * GROUPS)
+    acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
+        group_idx = g0 + lanes
+        group_mask = group_idx < end_group
+        # group g's 16 code bytes = words 4g..4g+3 of the row (word j: k = 32g + 8j .. +7)
+        word_idx = 4 * g0 + word_lanes
+        word_mask = (word_idx < 4 * end_group)[None, :]
+        w = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :], mask=word_mask, other=0)
         w_low = w & 0x0F0F0F0F
         w_high = w & -252645136  # 0xF0F0F0F0
-        steps = rows[:, None, None] * stride_sn + sb
-        ws = _in_tile_layout(tl.load(sc_ptr + meta + sb * 8).to(tl.float32)
-                             * tl.load(ss_ptr + steps).to(tl.float32))
-        wz = _in_tile_layout(tl.load(zc_ptr + meta + sb * 8).to(tl.float32)
-                             * tl.load(zs_ptr + steps).to(tl.float32))
+        meta = rows[:, None] * stride_cn + group_idx[None, :]
+        steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
+        meta_mask = group_mask[None, :]
+        ws = tl.load(sc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
+            ss_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
+        wz = tl.load(zc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
+            zs_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
+        # activation words of group g: even-k bytes at 8g..8g+3, odd-k bytes at 8g+4..8g+7
+        a_idx = 8 * g0 + 8 * (word_lanes // 4) + word_lanes % 4
         acc0 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 0, stride_am,
-                          stride_gm, sb, INTERPRET)
+                          stride_gm, a_idx, group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:
             if M > 1:
                 acc1 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 1,
-                                  stride_am, stride_gm, sb, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
         if BUCKET > 2:
             if M > 2:
                 acc2 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 2,
-                                  stride_am, stride_gm, sb, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
         if BUCKET > 3:
             if M > 3:
                 acc3 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 3,
-                                  stride_am, stride_gm, sb, INTERPRET)
+                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
+                                  BLOCK_N, INTERPRET)
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:
@@ -205,5 +209,5 @@ def launch_w4a8(bucket, x, weights, *, split_k: int, kernel):
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
         activations=(words, x_scale, x_sum), activation_strides=(words.stride(0), x_scale.stride(0)),
-        weights=weights,
+        weights=weights, code_dtype=torch.int32,
     )

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
 # and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files), gemm (kernel
-# benchmark), decode (decode benchmark). Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [gemm] [decode]
+# benchmark), autotune (cold and warm tuning benchmark), decode (decode benchmark).
+# Default: tests then gemm.
+#   benchmarks/gpu_checks.sh [tests] [gemm] [autotune] [decode]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -25,6 +26,10 @@ for step in $steps; do
         --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \
         > "$out/gemm.log" 2>&1
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
+    autotune)
+      timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py --json "$out/autotune.json" \
+        > "$out/autotune.log" 2>&1
+      grep -E "^\||^#" "$out/autotune.log" | tail -10 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --batches "${BATCHES:-1,4,16}" \
         --json "$out/decode.json" > "$out/decode.log" 2>&1

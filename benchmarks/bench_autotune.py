@@ -22,6 +22,7 @@ import time
 from typing import List, Optional
 
 import torch
+from bench_gemm import random_int4_weights  # this script's folder is on sys.path
 
 from coalesced_int4.decoder import LLAMA3_8B, Decoder
 from coalesced_int4.kernels import SUPPORTED_BUCKETS, autotune_launch_params, launch
@@ -37,18 +38,10 @@ def linear_shapes(config=LLAMA3_8B) -> List[tuple]:
     return sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)})
 
 
-def random_packed(n: int, k: int):
-    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
-            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
-            (torch.rand(n, k // 256, device="cuda") * 1e-3).half(),
-            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
-            (torch.rand(n, k // 256, device="cuda") * 0.06).half())
-
-
 def tune_everything(buckets: List[int], serial: bool) -> dict:
     if serial:
         tuner.parallel_compile_available = lambda: False
-    weights = {shape: random_packed(*shape) for shape in linear_shapes()}
+    weights = {shape: random_int4_weights(*shape, copies=1)[0] for shape in linear_shapes()}
     torch.cuda.synchronize()
     start = time.perf_counter()
     with autotune_launch_params() as stats:

@@ -12,12 +12,18 @@ if [ -d .whl ]; then  # wheels the GPU image lacks (see ../shared/tools/device-w
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONUNBUFFERED=1
+# Compiled kernels survive from one call to the next (each call is a fresh machine): a previous
+# call's $OUT/triton-cache.tgz, copied into .gpu-cache/ (git-ignored) and carried, is unpacked
+# here, and this call's cache is packed into $OUT for the next one.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .gpu-cache/triton-cache.tgz ]; then tar xzf .gpu-cache/triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 steps=${*:-tests gemm}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$out/gpu.txt" 2>&1
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider ${TEST_FILES:-tests/test_gpu.py \
+      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider --durations=15 ${TEST_FILES:-tests/test_gpu.py \
         tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;
@@ -36,3 +42,7 @@ for step in $steps; do
       grep -E "^\||tok/s" "$out/decode.log" | tail -20 ;;
   esac
 done
+tar czf "$out/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
+if [ "$(stat -c %s "$out/triton-cache.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+  echo "# Triton cache over 15 MiB: not returned"; rm "$out/triton-cache.tgz"
+fi

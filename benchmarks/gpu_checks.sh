@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
 # and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files), gemm (kernel
-# benchmark), autotune (cold and warm tuning benchmark), decode (decode benchmark).
+# benchmark), profile (Nsight Compute counters of tuned launches), autotune (cold and warm
+# tuning benchmark), decode (decode benchmark).
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [gemm] [autotune] [decode]
+#   benchmarks/gpu_checks.sh [tests] [gemm] [profile] [autotune] [decode]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -32,6 +33,15 @@ for step in $steps; do
         --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \
         > "$out/gemm.log" 2>&1
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
+    profile)
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx --nvtx-include "profile/" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section SchedulerStats --section WarpStateStats \
+        python benchmarks/profile_gemm.py --shapes "${PROFILE_SHAPES:-8448x6656}" --ms "${MS:-1,4,16,64}" \
+        > "$out/profile.log" 2>&1
+      grep -E "^# profile|==ERROR==|_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible|Stall" \
+        "$out/profile.log" | head -80 ;;
     autotune)
       timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py --json "$out/autotune.json" \
         > "$out/autotune.log" 2>&1

@@ -1,0 +1,48 @@
+"""Hardware-counter profile of our INT4 GEMM launches, for Nsight Compute.
+
+Per (N, K, M): the launch is tuned first (split-K and tile config, as the benchmark does),
+then run once inside an NVTX range named ``profile``, so that ncu profiles exactly the kernels
+of one tuned launch (activation quantization, GEMM, split-K reduction) and nothing of the
+tuning. ``benchmarks/gpu_checks.sh profile`` runs it under ncu; alone it only prints the picks.
+
+    ncu --clock-control none --nvtx --nvtx-include "profile/" python benchmarks/profile_gemm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import torch
+from bench_gemm import bucket_for, random_int4_weights  # this script's folder is on sys.path
+
+from coalesced_int4.kernels import BUCKET_KERNELS, autotune_launch_params, launch
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="8448x6656")
+    parser.add_argument("--ms", default="1,4,16,64")
+    args = parser.parse_args(argv)
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        weights = random_int4_weights(n, k, copies=1)[0]
+        for m in (int(v) for v in args.ms.split(",")):
+            bucket = bucket_for(m)
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            with autotune_launch_params() as stats:
+                launch(bucket, x, *weights, 32)
+            split = stats.picks[-1].choice if stats.picks else 1
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("profile")
+            launch(bucket, x, *weights, 32, split_k=split)
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            print(f"# profile {n}x{k} M={m}: bucket {bucket}, split {split}, "
+                  f"config {BUCKET_KERNELS[bucket].best_config}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,7 @@
 functions with a stand-in timer, and autotune_do_bench's routing between CUDA-graph timing and
 triton.testing.do_bench."""
 
+import contextlib
 import logging
 import types
 from unittest import mock
@@ -373,3 +374,74 @@ def test_a_persistent_autotuner_stores_its_pick_and_a_new_one_restores_it(cache_
     second[(triton.cdiv(300, 64),)](x, 300)
     assert second.cache[(300, "torch.float32")] == configs[1]
     assert torch.equal(x, torch.full((300,), 2.0, device=device))  # launched once per call
+
+
+# ---------------------------------------------------------------- one pool for every split candidate
+
+def _recording_pool(entered):
+    @contextlib.contextmanager
+    def pool():
+        entered.append("open")
+        yield
+        entered.append("closed")
+    return pool
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_the_prepass_pools_and_queues_only_where_the_gate_is_on(gate):
+    entered = []
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=gate), \
+            mock.patch.object(tuner, "compile_pool", _recording_pool(entered)):
+        with tuner.compile_every_candidate_at_once() as queued:
+            assert queued == gate and tuner.queuing_only() == gate
+    assert not tuner.queuing_only()
+    assert entered == (["open", "closed"] if gate else [])
+
+
+def test_every_split_candidate_queues_its_compiles_in_one_pool_before_any_runs():
+    entered, calls = [], []
+
+    @autotune_launch_param("split_k", (1, 2, 4))
+    def run(x, *, split_k):
+        if split_k == 4:
+            raise InvalidLaunchParam("split_k=4 is illegal here")
+        calls.append((split_k, tuner.queuing_only(), len(entered)))
+        return types.SimpleNamespace(cost=float(split_k), split_k=split_k)
+
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", _recording_pool(entered)), \
+            autotune_launch_params() as stats:
+        assert run(torch.zeros(4)).split_k == 1
+    assert entered == ["open", "closed"]  # one pool, opened once
+    # queued inside the pool, then each legal candidate runs once, the timed rounds, the launch
+    assert calls[:2] == [(1, True, 1), (2, True, 1)]
+    assert calls[2:4] == [(1, False, 2), (2, False, 2)]
+    assert len(calls) == 4 + launch_params.ROUNDS * 2 + 1 and stats.picks[0].rejected.keys() == {4}
+
+
+def test_while_queuing_an_autotuner_submits_compiles_and_launches_nothing():
+    configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
+    autotuner = tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None,
+                                          do_bench=mock.Mock())(_increment_kernel)
+    autotuner.cache[(512, "torch.float32")] = configs[1]
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", _recording_pool([])), \
+            mock.patch.object(tuner, "_queue_compiles") as queued, \
+            mock.patch.object(triton.runtime.Autotuner, "run") as launched:
+        with tuner.compile_every_candidate_at_once():
+            assert autotuner[(3,)](torch.zeros(300), 300) is None  # untuned: every config
+            autotuner[(3,)](torch.zeros(512), 512)  # tuned: its pick alone
+    assert [call.args[0] for call in queued.call_args_list] == [autotuner, tuner.single_config(autotuner, configs[1])]
+    assert queued.call_args_list[0].args[2] == {"grid": (3,), "warmup": False} and not launched.called
+
+
+def test_while_queuing_a_helper_kernel_is_compiled_not_launched():
+    kernel = mock.MagicMock()
+    with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "compile_pool", _recording_pool([])):
+        with tuner.compile_every_candidate_at_once():
+            tuner.launch_or_queue(kernel, (2, 1), "a", BLOCK=4)
+        tuner.launch_or_queue(kernel, (2, 1), "b", BLOCK=4)
+    kernel.warmup.assert_called_once_with("a", grid=(2, 1), BLOCK=4)
+    kernel.__getitem__.assert_called_once_with((2, 1))
+    kernel.__getitem__.return_value.assert_called_once_with("b", BLOCK=4)

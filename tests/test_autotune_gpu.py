@@ -2,6 +2,7 @@
 tracing hands Inductor only a tuned shape's pick, dynamic M is timed apart from static M, and
 a second process restores every pick from the persistent cache instead of timing."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,31 @@ def test_an_untuned_shape_compiles_its_configs_in_the_pool_first():
         again = launch(2, x, *packed, 32, split_k=1)
     assert pooled > 1 and len(submitted) == pooled  # a tuned key is not compiled again
     assert torch.equal(out, again)
+    assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+@pytest.mark.skipif(not tuner.parallel_compile_available(), reason="no parallel compile here")
+def test_every_split_candidate_compiles_in_the_first_pool():
+    packed = _packed(320, 2560, seed=11)  # a shape no other test tunes; the split is timed
+    x = _x(2, 2560)
+    gemm = BUCKET_KERNELS[2].fn
+
+    def compiled():
+        return sum(len(caches[0]) for caches in gemm.device_caches.values())
+
+    at_exit, real_pool = [], tuner.compile_pool
+
+    @contextlib.contextmanager
+    def recording_pool():
+        with real_pool():
+            yield
+        at_exit.append(compiled())
+
+    before = compiled()
+    with mock.patch.object(tuner, "compile_pool", recording_pool), autotune_launch_params() as stats:
+        out = launch(2, x, *packed, 32)
+    assert stats.measured == 1 and len(stats.picks[0].times_us) > 1
+    assert at_exit[0] > before and compiled() == at_exit[0]  # the timed launches compiled nothing
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 
 

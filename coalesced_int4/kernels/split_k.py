@@ -14,7 +14,7 @@ import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 
 from coalesced_int4.kernels import family
-from coalesced_int4.kernels.autotune.tuner import tuned_kernel
+from coalesced_int4.kernels.autotune.tuner import launch_or_queue, tuned_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 
 REDUCE_BLOCK_N = 128
@@ -73,8 +73,7 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
         kernel = tuned_kernel(kernel, args, kwargs)
     family.wrap_triton(kernel)[grid](*args, **kwargs)
     if split_k > 1:
-        family.wrap_triton(_splitk_reduce_kernel)[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
-            target, out, n, stride_s, target.stride(-2), out.stride(0),
-            SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4,
-        )
+        launch_or_queue(family.wrap_triton(_splitk_reduce_kernel), (triton.cdiv(n, REDUCE_BLOCK_N), m),
+                        target, out, n, stride_s, target.stride(-2), out.stride(0), SPLIT_K=split_k,
+                        BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4)
     return out

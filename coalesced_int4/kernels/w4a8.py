@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from coalesced_int4.kernels import family
+from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.quantize import GROUP_SIZE
@@ -88,9 +89,8 @@ def quantize_activations(x: torch.Tensor):
     words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
     scale = torch.empty((m, k // GROUP_SIZE), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // GROUP_SIZE), dtype=torch.int32, device=x.device)
-    family.wrap_triton(_quantize_activation_kernel)[(k // ACT_TILE, m)](
-        x, words, scale, sums, x.stride(0), words.stride(0), scale.stride(0), num_warps=8,
-    )
+    launch_or_queue(family.wrap_triton(_quantize_activation_kernel), (k // ACT_TILE, m),
+                    x, words, scale, sums, x.stride(0), words.stride(0), scale.stride(0), num_warps=8)
     return words, scale, sums
 
 

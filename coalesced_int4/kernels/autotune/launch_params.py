@@ -3,9 +3,10 @@
 A launcher decorated with ``@autotune_launch_param("split_k", candidates)`` runs with the
 first candidate, or the value passed explicitly, unless an ``autotune_launch_params()``
 context is active. Inside it, the first call for a shape times every candidate on random
-stand-ins of the arguments (real tensors even while tracing with fake ones): each candidate
-runs once (letting its Triton autotuner pick a config, timed in CUDA graphs on a side
-stream; an illegal one raises
+stand-ins of the arguments (real tensors even while tracing with fake ones): every candidate
+first queues its compiles into one pool (``compile_every_candidate_at_once``; where parallel
+compile is off they simply run), then each runs once (letting its Triton autotuner pick a
+config, timed in CUDA graphs on a side stream; an illegal one raises
 ``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
 graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
 value. The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
 from coalesced_int4.kernels.autotune.persistent import PickStore
+from coalesced_int4.kernels.autotune.tuner import compile_every_candidate_at_once
 
 logger = logging.getLogger(__name__)
 
@@ -208,14 +210,17 @@ def _measure(fn, name, param, candidates, args, kwargs, stats):
                 device = next(a for a in real_args if isinstance(a, torch.Tensor)).device
                 with _timing_stream(device):
                     legal, rejected = [], {}
-                    for value in candidates:
-                        try:
-                            fn(*real_args, **{**real_kwargs, param: value})
-                            legal.append(value)
-                        except InvalidLaunchParam as error:
-                            rejected[value] = str(error)
+                    with compile_every_candidate_at_once() as queued:
+                        for value in candidates:
+                            try:
+                                fn(*real_args, **{**real_kwargs, param: value})
+                                legal.append(value)
+                            except InvalidLaunchParam as error:
+                                rejected[value] = str(error)
                     if not legal:
                         raise ValueError(f"{name}: no legal {param} among {candidates}: {rejected}")
+                    for value in legal if queued else ():  # compiled above; now each one runs
+                        fn(*real_args, **{**real_kwargs, param: value})
                     samples = {value: [] for value in legal}
                     for _ in range(ROUNDS):
                         for value in legal:

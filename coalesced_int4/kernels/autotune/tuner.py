@@ -8,6 +8,10 @@ shapes compiled in parallel, and tuned shapes traced with their pick alone.
   through Triton's async compile (``precompile_untuned_configs``), since a cold start is
   compile-bound; only where CPython's ``ast`` is thread safe (3.11.8+ / 3.12.2+). A failing
   precompile is logged and the configs compile one by one as usual.
+- ``compile_every_candidate_at_once()`` widens that to a launch-parameter prepass: while it is
+  open, launches only queue their compiles (untuned configs through ``PersistentAutotuner``,
+  helper kernels through ``launch_or_queue``) into one pool, which finishes them all on exit,
+  so every split candidate compiles in parallel before any is timed.
 - ``tuned_kernel`` hands tracing (torch.compile, AOTInductor) a single-config autotuner for a
   tuned key, one object per config around the same JIT function, so Inductor compiles only
   the pick and does not time again; an untuned key gets the full autotuner.
@@ -18,6 +22,7 @@ shapes compiled in parallel, and tuned shapes traced with their pick alone.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -36,6 +41,7 @@ except ImportError:  # a Triton without async compile compiles serially
     _async_compile = None
 
 logger = logging.getLogger(__name__)
+_queuing_only = contextvars.ContextVar("coalesced_int4_queuing_only", default=False)
 
 
 def tuning_key(autotuner: triton.runtime.Autotuner, args, kwargs) -> tuple:
@@ -59,6 +65,10 @@ class PersistentAutotuner(triton.runtime.Autotuner):
     def run(self, *args, **kwargs):
         key = tuning_key(self, args, kwargs) if len(self.configs) > 1 else None
         tuning = key is not None and key not in self.cache and not self.restore(key, args)
+        if queuing_only():  # compile what the real launch will run: every config, or the pick
+            config = self.cache.get(key) if key is not None else None
+            _queue_compiles(self if config is None else single_config(self, config), args, kwargs)
+            return None
         if tuning:
             precompile_untuned_configs(self, args, kwargs)
         result = super().run(*args, **kwargs)
@@ -99,9 +109,53 @@ def parallel_compile_available() -> bool:
 
 @contextlib.contextmanager
 def compile_pool():
+    """Triton's async compile on a thread pool. A compile that fails in the pool is dropped
+    there; the kernel's own launch then compiles it again and raises where it is used."""
     workers = max(1, min(32, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as executor, _async_compile.AsyncCompileMode(executor):
+    with ThreadPoolExecutor(max_workers=workers) as executor, \
+            _async_compile.AsyncCompileMode(executor, ignore_errors=True):
         yield
+
+
+def queuing_only() -> bool:
+    """Whether launches only queue their compiles (inside ``compile_every_candidate_at_once``)."""
+    return _queuing_only.get()
+
+
+@contextlib.contextmanager
+def compile_every_candidate_at_once():
+    """Yields whether the launches inside only queue their compiles. Where parallel compile is
+    available, one pool receives every compile those launches would do, nothing is launched,
+    and leaving finishes every compile; elsewhere (gated off) no pool opens and the launches
+    run as usual."""
+    if not parallel_compile_available():
+        yield False
+        return
+    with compile_pool():
+        token = _queuing_only.set(True)
+        try:
+            yield True
+        finally:
+            _queuing_only.reset(token)
+
+
+def launch_or_queue(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, or only its compile while queuing."""
+    if queuing_only():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def _queue_compiles(autotuner, args, kwargs) -> None:
+    """Submit every pruned config's compile to the active pool, without launching. A failure
+    is logged; the launch then compiles config by config."""
+    # Launch-only keywords (kernel[grid](...) passes grid and warmup to Autotuner.run).
+    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    try:
+        autotuner.warmup(*args, grid=(1,), **meta)
+    except Exception as error:
+        logger.warning("parallel precompile of %s failed: %s", autotuner.base_fn.__name__, error)
 
 
 def precompile_untuned_configs(autotuner, args, kwargs) -> None:
@@ -112,13 +166,8 @@ def precompile_untuned_configs(autotuner, args, kwargs) -> None:
         return
     if tuning_key(autotuner, args, kwargs) in autotuner.cache:
         return
-    # Launch-only keywords (kernel[grid](...) passes grid and warmup to Autotuner.run).
-    meta = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
-    try:
-        with compile_pool():
-            autotuner.warmup(*args, grid=(1,), **meta)
-    except Exception as error:  # the launch then compiles config by config
-        logger.warning("parallel precompile of %s failed: %s", autotuner.base_fn.__name__, error)
+    with compile_pool():
+        _queue_compiles(autotuner, args, kwargs)
 
 
 def _store_for(kernel_name: str, args):

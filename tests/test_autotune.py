@@ -445,3 +445,28 @@ def test_while_queuing_a_helper_kernel_is_compiled_not_launched():
     kernel.warmup.assert_called_once_with("a", grid=(2, 1), BLOCK=4)
     kernel.__getitem__.assert_called_once_with((2, 1))
     kernel.__getitem__.return_value.assert_called_once_with("b", BLOCK=4)
+
+
+def test_split_k_timing_behind_the_one_pool_prepass_gives_the_reference_result():
+    from coalesced_int4.kernels import launch
+    from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = packed_weight(64, 1024, seed=3, device=device)[0]
+    x = torch.randn(2, 1024, dtype=torch.bfloat16, device=device)
+    queued = []
+    real_queue = tuner._queue_compiles
+
+    def recording(autotuner, args, kwargs):
+        if tuner.queuing_only():
+            queued.append(dict(zip(autotuner.arg_names, args))["split_k"])
+        return real_queue(autotuner, args, kwargs)
+
+    with mock.patch.object(launch_params, "time_call_us", lambda call: (call(), 1.0)[1]), \
+            mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
+            mock.patch.object(tuner, "_queue_compiles", recording), \
+            autotune_launch_params() as stats:
+        out = launch(2, x, *packed, 32)
+    assert queued == [1, 2, 4]  # in the prepass; K = 1024 has 4 super-blocks: 8 and 16 are illegal
+    assert set(stats.picks[0].times_us) == {1, 2, 4}
+    assert_close_to_reference(out, dequant_matmul_reference(x, packed))

@@ -58,8 +58,9 @@ def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[trito
     k = x.shape[1]
     check_split_k(split_k, k)
     if config is None and INTERPRETER:
-        # The interpreter cannot time configs: run the first one the prune rule keeps.
-        config = prune_int4_configs(int4_autotune_configs(bucket), {"K": k, "split_k": split_k})[0]
+        # The interpreter cannot time configs: run the first one the prune rule keeps (the
+        # autotuner's own objects, so its single-config kernel is built once).
+        config = prune_int4_configs(BUCKET_KERNELS[bucket].configs, {"K": k, "split_k": split_k})[0]
     kernel = BUCKET_KERNELS[bucket] if config is None else single_config(BUCKET_KERNELS[bucket], config)
     return family_launch(bucket, x, weights, split_k=split_k, kernel=kernel)
 

@@ -28,9 +28,12 @@ import threading
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
+from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
 from coalesced_int4.kernels.autotune.persistent import PickStore
 from coalesced_int4.kernels.autotune.tuner import compile_every_candidate_at_once
 
@@ -169,8 +172,6 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
 
 def time_call_us(call) -> float:
     """Device time of one call of ``call``, in microseconds (tests replace this)."""
-    from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
-
     return time_with_cuda_graph_us(call)
 
 
@@ -181,8 +182,6 @@ def _timing_stream(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
-
     outer = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(outer)
@@ -200,8 +199,6 @@ def _free_memory() -> None:
 
 def _measure(fn, name, param, candidates, args, kwargs, stats):
     """Time every candidate; the pick, or None after running out of memory twice."""
-    from torch._library.triton import set_wrap_triton_enabled
-
     for _ in range(2):
         try:
             with unset_fake_temporarily(), _disable_current_modes(), set_wrap_triton_enabled(False):

@@ -1,8 +1,9 @@
 """``PersistentAutotuner``: Triton's autotuner, with picks kept across processes, untuned
 shapes compiled in parallel, and tuned shapes traced with their pick alone.
 
-- Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU; a stored
-  pick still in its config space is installed as if it had just been timed. After a key is
+- Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU
+  (``pick``); a stored pick still in its config space is installed as if it had just been
+  timed. After a key is
   tuned, the pick is stored.
 - An untuned key on real tensors first compiles every pruned config at once on a thread pool
   through Triton's async compile (``precompile_untuned_configs``), since a cold start is
@@ -28,6 +29,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import torch
 import triton
@@ -53,21 +55,23 @@ def tuning_key(autotuner: triton.runtime.Autotuner, args, kwargs) -> tuple:
 
 
 class PersistentAutotuner(triton.runtime.Autotuner):
-    def restore(self, key: tuple, args) -> bool:
-        """Install a stored pick for ``key``; True if there was one."""
-        store = _store_for(self.base_fn.__name__, args)
-        stored = store.get(key) if store is not None else None
-        config = matching_config(self.configs, stored) if stored else None
-        if config is not None:
-            self.cache[key] = config
-        return config is not None
+    def pick(self, key: tuple, args) -> Optional[triton.Config]:
+        """The config ``key`` runs: this process's pick, else a stored one (installed as if it
+        had just been timed), else None (untuned)."""
+        if key not in self.cache:
+            store = _store_for(self.base_fn.__name__, args)
+            stored = store.get(key) if store is not None else None
+            config = matching_config(self.configs, stored) if stored else None
+            if config is not None:
+                self.cache[key] = config
+        return self.cache.get(key)
 
     def run(self, *args, **kwargs):
         key = tuning_key(self, args, kwargs) if len(self.configs) > 1 else None
-        tuning = key is not None and key not in self.cache and not self.restore(key, args)
+        picked = self.pick(key, args) if key is not None else None
+        tuning = key is not None and picked is None
         if queuing_only():  # compile what the real launch will run: every config, or the pick
-            config = self.cache.get(key) if key is not None else None
-            _queue_compiles(self if config is None else single_config(self, config), args, kwargs)
+            _queue_compiles(self if picked is None else single_config(self, picked), args, kwargs)
             return None
         if tuning:
             precompile_untuned_configs(self, args, kwargs)
@@ -87,14 +91,11 @@ def single_config(autotuner: triton.runtime.Autotuner, config: triton.Config):
                                reset_to_zero=None, restore_value=None)
 
 
-def tuned_kernel(autotuner, args, kwargs):
+def tuned_kernel(autotuner: PersistentAutotuner, args, kwargs):
     """The single-config autotuner of this key's pick, or ``autotuner`` if it is untuned."""
     if len(autotuner.configs) <= 1:
         return autotuner
-    key = tuning_key(autotuner, args, kwargs)
-    if key not in autotuner.cache and isinstance(autotuner, PersistentAutotuner):
-        autotuner.restore(key, args)
-    config = autotuner.cache.get(key)
+    config = autotuner.pick(tuning_key(autotuner, args, kwargs), args)
     return autotuner if config is None else single_config(autotuner, config)
 
 

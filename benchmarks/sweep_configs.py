@@ -1,0 +1,127 @@
+"""Config sweep: time every (tile config, split-K) of a grid, beyond the shipped autotune space,
+to choose that space and to A/B kernel variants (run once per source tree on PYTHONPATH).
+
+Each (N, K, M, config, split) is timed with bench_gemm's method (a CUDA graph of many calls
+rotating over weight copies that exceed twice the L2). The grid's binaries are compiled first
+by a pool of processes sharing Triton's cache, so the timing phase compiles nothing. Prints,
+per (N, K, M), the fastest entries and the shipped autotuner's own pick; JSON has every time.
+
+    python benchmarks/sweep_configs.py --family w4a8 --shapes 8448x6656 --ms 1,4 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import List, Optional
+
+import torch
+import triton
+from bench_gemm import bucket_for, copies_for, random_int4_weights, time_calls, INT4_BYTES_PER_WEIGHT  # noqa: I001
+
+from coalesced_int4.kernels import autotune_launch_params, check_split_k, launch
+from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS
+
+GRIDS = {
+    # BLOCK_N x GROUPS x warps x stages
+    "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s)
+             for n, g, w in ((4, 32, 2), (8, 16, 2), (8, 32, 4), (8, 64, 4), (16, 16, 4), (16, 32, 4),
+                             (16, 32, 8), (32, 16, 4), (32, 32, 8))
+             for s in (1, 2)],
+    # BLOCK_N x warps x stages
+    "w4a16": [dict(BLOCK_N=n, num_warps=w, STAGES=s)
+              for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)) for s in (2, 3)],
+}
+
+
+def to_config(entry: dict) -> triton.Config:
+    meta = {k: v for k, v in entry.items() if k != "num_warps"}
+    return triton.Config(meta, num_warps=entry["num_warps"], num_stages=entry["STAGES"])
+
+
+def compile_one(job) -> Optional[str]:
+    """Compile (by launching once, on a small N) one entry at one (bucket, split)."""
+    entry, k, bucket, split = job
+    try:
+        x = torch.randn(bucket, k, dtype=torch.bfloat16, device="cuda")
+        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=to_config(entry))
+        torch.cuda.synchronize()
+        return None
+    except Exception as error:  # an entry that does not compile is reported and skipped later
+        return f"{entry} bucket {bucket} split {split}: {type(error).__name__}: {error}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=sorted(GRIDS), required=True)
+    parser.add_argument("--shapes", default="8448x6656")
+    parser.add_argument("--ms", default="1,4")
+    parser.add_argument("--splits", default=None, help="split-K values (default: the family's candidates <= 8)")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    candidates = SPLIT_K_CANDIDATES if args.family == "w4a8" else TILE_SPLIT_K_CANDIDATES
+    splits = [int(v) for v in args.splits.split(",")] if args.splits else [s for s in candidates if s <= 8]
+    grid = GRIDS[args.family]
+    for m in ms:
+        if (bucket_for(m) in W4A8_BUCKETS) != (args.family == "w4a8"):
+            parser.error(f"M={m} runs bucket {bucket_for(m)}, not the {args.family} family")
+
+    start = time.perf_counter()
+    # Binaries differ by bucket, by split 1 vs > 1 (output vs partials; 1 is specialized) and
+    # K's divisibility, which every shape here shares; one small-N launch per kind compiles it.
+    jobs = [(entry, shapes[0][1], bucket, split) for entry in grid for bucket in sorted({bucket_for(m) for m in ms})
+            for split in (1, 2)]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 1), mp_context=context) as pool:
+        failures = [f for f in pool.map(compile_one, jobs) if f]
+    for failure in failures:
+        print(f"# compile failed: {failure}", flush=True)
+    print(f"# {args.label} {args.family}: compiled {len(jobs)} binaries in {time.perf_counter() - start:.0f} s",
+          flush=True)
+
+    rows = []
+    for n, k in shapes:
+        copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
+        for m in ms:
+            bucket = bucket_for(m)
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            times = []
+            for entry, split in itertools.product(grid, splits):
+                try:
+                    check_split_k(split, k)
+                    config = to_config(entry)
+                    us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config)
+                                     for w in copies])
+                except Exception:  # illegal split or a config that failed to compile
+                    continue
+                times.append({"us": us, "split": split, **entry})
+            with autotune_launch_params() as stats:
+                launch(bucket, x, *copies[0], 32)
+            pick_split = stats.picks[-1].choice if stats.picks else 1
+            pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=pick_split) for w in copies])
+            times.sort(key=lambda t: t["us"])
+            rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split, "times": times})
+            best = ", ".join(f"{t['us']:.1f} us " + " ".join(f"{key}={v}" for key, v in t.items() if key != "us")
+                             for t in times[:args.top])
+            print(f"| {args.label} | {n}x{k} | {m} | shipped pick {pick_us:.1f} us (split {pick_split}) | "
+                  f"best: {best} |", flush=True)
+        del copies
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"label": args.label, "family": args.family, "rows": rows, "failures": failures}, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -90,6 +90,24 @@ def _w4a8_row(
 
 
 @triton.jit
+def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
+               g0, end_group, GROUPS: tl.constexpr):
+    """The weights of the trip at group ``g0``, as stored: code words [BLOCK_N, 4 * GROUPS],
+    scale and zero codes and their steps [BLOCK_N, GROUPS]; zeros for groups past
+    ``end_group``. Group g's 16 code bytes are words 4g..4g+3 of its row (word j holds
+    k = 32g + 8j .. 32g + 8j + 7)."""
+    group_idx = g0 + tl.arange(0, GROUPS)
+    word_idx = 4 * g0 + tl.arange(0, 4 * GROUPS)
+    codes = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :],
+                    mask=(word_idx < 4 * end_group)[None, :], other=0)
+    meta = rows[:, None] * stride_cn + group_idx[None, :]
+    steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
+    mask = (group_idx < end_group)[None, :]
+    return (codes, tl.load(sc_ptr + meta, mask=mask, other=0), tl.load(ss_ptr + steps, mask=mask, other=0.0),
+            tl.load(zc_ptr + meta, mask=mask, other=0), tl.load(zs_ptr + steps, mask=mask, other=0.0))
+
+
+@triton.jit
 def _w4a8_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
@@ -118,27 +136,24 @@ def _w4a8_kernel(
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
     lanes = tl.arange(0, GROUPS)
-    word_lanes = tl.arange(0, 4 * GROUPS)
     acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc1 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc2 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
+                      first_group, end_group, GROUPS)
     for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
+        # The next trip's weights are requested before this trip's arithmetic so that their
+        # memory latency overlaps it (past the split they are masked: no traffic).
+        next_trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
+                               stride_sn, g0 + GROUPS, end_group, GROUPS)
+        w, scale_codes, scale_steps, zero_codes, zero_steps = trip
         group_idx = g0 + lanes
         group_mask = group_idx < end_group
-        # group g's 16 code bytes = words 4g..4g+3 of the row (word j: k = 32g + 8j .. +7)
-        word_idx = 4 * g0 + word_lanes
-        word_mask = (word_idx < 4 * end_group)[None, :]
-        w = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :], mask=word_mask, other=0)
         w_low = w & 0x0F0F0F0F
         w_high = w & -252645136  # 0xF0F0F0F0
-        meta = rows[:, None] * stride_cn + group_idx[None, :]
-        steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
-        meta_mask = group_mask[None, :]
-        ws = tl.load(sc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
-            ss_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
-        wz = tl.load(zc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
-            zs_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
+        ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)
+        wz = zero_codes.to(tl.float32) * zero_steps.to(tl.float32)
         acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, stride_xm, group_idx,
                           group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:
@@ -153,6 +168,7 @@ def _w4a8_kernel(
             if M > 3:
                 acc3 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 3, stride_xm,
                                   group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+        trip = next_trip
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.split_k import split_bounds
-from coalesced_int4.kernels.w4a8 import quantize_activations
+from coalesced_int4.kernels.w4a8 import _quantize_groups
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,10 +38,33 @@ def _reference_activation_quantization(x):
     return words.reshape(x.shape[0], -1), scale, q.sum(-1).to(torch.int32)
 
 
+@triton.jit
+def _quantize_groups_probe(x_ptr, words_ptr, scale_ptr, sum_ptr, K: tl.constexpr):
+    """One row of K activations through the W4A8 kernel's quantizer; per group g the even
+    words go to 8g..8g+3 and the odd ones to 8g+4..8g+7."""
+    row = tl.program_id(0)
+    v = tl.load(x_ptr + row * K + tl.arange(0, K)).to(tl.float32)
+    even, odd, scale, sums = _quantize_groups(tl.reshape(v, [K // 32, 32]))
+    words = tl.reshape(tl.join(even, odd), [K // 32, 4, 2])  # [group, word, parity]
+    words = tl.reshape(tl.permute(words, (0, 2, 1)), [K // 4])
+    tl.store(words_ptr + row * (K // 4) + tl.arange(0, K // 4), words)
+    tl.store(scale_ptr + row * (K // 32) + tl.arange(0, K // 32), scale)
+    tl.store(sum_ptr + row * (K // 32) + tl.arange(0, K // 32), sums)
+
+
+def _quantize_activations(x):
+    m, k = x.shape
+    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
+    scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    sums = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+    _quantize_groups_probe[(m,)](x, words, scale, sums, K=k)
+    return words, scale, sums
+
+
 def test_activation_quantization_per_32_in_even_odd_byte_order():
     x = _x(3, 512, seed=1)
     x[1, :32] = 0  # an all-zero block: scale 0, values 0, sum 0
-    words, scale, sums = quantize_activations(x)
+    words, scale, sums = _quantize_activations(x)
     ref_words, ref_scale, ref_sums = _reference_activation_quantization(x.cpu())
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=1e-6, atol=0)
     assert scale[1, 0].item() == 0 and sums[1, 0].item() == 0

@@ -9,14 +9,15 @@ zero points are applied once per group of 32 in fp32:
 
     y[m, n] = sum_g (dot_g - asum_g * wz_g) * xs_g * ws_g
     dot_g   = sum_{i<32} q[n, 32g+i] * qa[m, 32g+i]   (int32, dp4a)
-    asum_g  = sum_{i<32} qa[m, 32g+i]                  (from the activation kernel)
+    asum_g  = sum_{i<32} qa[m, 32g+i]
     ws_g    = sc[n,g] * ss[n,g//8]   wz_g = zc[n,g] * zs[n,g//8]   (fp32)
 
-Two kernels: ``_quantize_activation_kernel`` (x -> int8 per 32 with an fp32 scale and an int32
-sum) and ``_w4a8_kernel``. Each program of the GEMM owns ``BLOCK_N`` weight rows and walks its
-split of K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32
-words; every thread keeps the activation words of its groups in registers and reuses them for
-all the weight rows it holds. One fp32 accumulator per activation row (up to 4), one partial
+One kernel, ``_w4a8_kernel``: each program owns ``BLOCK_N`` weight rows and walks its split of
+K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32 words. It
+quantizes the trip's activations itself (``_quantize_groups``: per 32, an fp32 scale and an
+int32 sum), from bf16 values that every program of the launch reads from L2, and reuses the
+int8 words for all the weight rows it holds: a separate quantization kernel would cost a
+launch and a GPU fill and drain, a large share of a decode GEMM's few microseconds. One fp32 accumulator per activation row (up to 4), one partial
 sum per group lane, reduced across lanes once at the end.
 """
 
@@ -26,14 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from coalesced_int4.kernels import family
-from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
-from coalesced_int4.quantize import GROUP_SIZE
 
-ACT_TILE = 256
-"""Activation values quantized per program of ``_quantize_activation_kernel``."""
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to even
 
 
@@ -55,70 +51,66 @@ def _dp4a(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quantize_activation_kernel(
-    x_ptr, words_ptr, scale_ptr, sum_ptr, stride_xm, stride_wm, stride_gm,
-):
-    """One program = one row x 256 values = 8 blocks of 32. Per block: scale = amax/127,
-    q = clamp(round_half_even(v / scale), -127, 127); bytes stored in even/odd order (block
-    bytes 0-15 hold k = 0, 2, ..., 30 and bytes 16-31 hold k = 1, 3, ..., 31) so they line
-    up with a weight word's low and high nibbles."""
-    tile = tl.program_id(0)
-    row = tl.program_id(1)
-    offs = tile * 256 + tl.arange(0, 256)
-    v = tl.reshape(tl.load(x_ptr + row * stride_xm + offs).to(tl.float32), [8, 32])
+def _quantize_groups(v):
+    """[G, 32] fp32 activations -> int8 per group of 32: (even-k words [G, 4], odd-k words
+    [G, 4], fp32 scales [G], int32 sums [G]). scale = amax / 127 and
+    q = clamp(round_half_even(v / scale), -127, 127). Word j of a group holds the bytes of
+    k = 8j, 8j + 2, 8j + 4, 8j + 6 (even) or k = 8j + 1, ... (odd), lining up with the low and
+    high nibbles of the group's weight word j."""
     amax = tl.max(tl.abs(v), axis=1)
     scale = amax / 127.0
     inverse = tl.where(amax > 0, 1.0 / scale, 0.0)
     y = tl.minimum(tl.maximum(v * inverse[:, None], -127.0), 127.0)
     q = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int32)
-    block_sum = tl.sum(q, axis=1)
-    # [8 blocks, 32] -> [block, 4 words, 4 bytes, parity] -> [block, parity, word, byte]
-    parts = tl.permute(tl.reshape(q & 0xFF, [8, 4, 4, 2]), (0, 3, 1, 2))
+    # k = 8 word + 2 byte + parity: [G, 32] -> [G, word, byte, parity]; bytes are disjoint,
+    # so their shifted sum is their concatenation.
+    parts = tl.reshape(q & 0xFF, [v.shape[0], 4, 4, 2])
     shifts = 8 * tl.arange(0, 4)
-    words = tl.sum(parts << shifts[None, None, None, :], axis=3)
-    words = tl.reshape(words, [64])
-    tl.store(words_ptr + row * stride_wm + tile * 64 + tl.arange(0, 64), words)
-    groups = tile * 8 + tl.arange(0, 8)
-    tl.store(scale_ptr + row * stride_gm + groups, scale)
-    tl.store(sum_ptr + row * stride_gm + groups, block_sum)
-
-
-def quantize_activations(x: torch.Tensor):
-    """x (M, K) bf16 -> (int32 words (M, K/4), fp32 scales (M, K/32), int32 sums (M, K/32))."""
-    m, k = x.shape
-    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
-    scale = torch.empty((m, k // GROUP_SIZE), dtype=torch.float32, device=x.device)
-    sums = torch.empty((m, k // GROUP_SIZE), dtype=torch.int32, device=x.device)
-    launch_or_queue(family.wrap_triton(_quantize_activation_kernel), (k // ACT_TILE, m),
-                    x, words, scale, sums, x.stride(0), words.stride(0), scale.stride(0), num_warps=8)
-    return words, scale, sums
+    even, odd = tl.split(tl.sum(parts << shifts[None, None, :, None], axis=2))
+    return even, odd, scale, tl.sum(q, axis=1)
 
 
 @triton.jit
 def _w4a8_row(
-    w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, row, stride_am, stride_gm,
-    word_idx, group_idx, group_mask,
+    w_low, w_high, ws, wz, x_ptr, row, stride_xm, group_idx, group_mask,
     GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32."""
-    base = words_ptr + row * stride_am
-    word_mask = tl.reshape(tl.broadcast_to(group_mask[:, None], [GROUPS, 4]), [4 * GROUPS])
-    a_even = tl.load(base + word_idx, mask=word_mask, other=0)
-    a_odd = tl.load(base + word_idx + 4, mask=word_mask, other=0)
-    dot_even = _dp4a(w_low, a_even[None, :], INTERPRET)
-    dot_odd16 = _dp4a(w_high, a_odd[None, :], INTERPRET)  # high nibbles stay x16: exact
-    even = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
-    odd16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
-    dot = (even + (odd16 >> 4)).to(tl.float32)
-    asum = tl.load(xsum_ptr + row * stride_gm + group_idx, mask=group_mask, other=0)
-    xs = tl.load(xs_ptr + row * stride_gm + group_idx, mask=group_mask, other=0.0)
+    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32. The row's
+    GROUPS x 32 activations (bf16, from L2) are quantized here, once per program and trip, so
+    a decode GEMM is one kernel; groups past the split read zeros and contribute nothing."""
+    k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x_ptr + row * stride_xm + k, mask=group_mask[:, None], other=0.0)
+    even, odd, xs, asum = _quantize_groups(v.to(tl.float32))
+    dot_even = _dp4a(w_low, tl.reshape(even, [4 * GROUPS])[None, :], INTERPRET)
+    dot_odd16 = _dp4a(w_high, tl.reshape(odd, [4 * GROUPS])[None, :], INTERPRET)  # x16: exact
+    even_sum = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
+    odd_sum16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
+    dot = (even_sum + (odd_sum16 >> 4)).to(tl.float32)
     return (dot - asum.to(tl.float32)[None, :] * wz) * (xs[None, :] * ws)
 
 
 @triton.jit
+def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
+               g0, end_group, GROUPS: tl.constexpr):
+    """The weights of the trip at group ``g0``, as stored: code words [BLOCK_N, 4 * GROUPS],
+    scale and zero codes and their steps [BLOCK_N, GROUPS]; zeros for groups past
+    ``end_group``. Group g's 16 code bytes are words 4g..4g+3 of its row (word j holds
+    k = 32g + 8j .. 32g + 8j + 7)."""
+    group_idx = g0 + tl.arange(0, GROUPS)
+    word_idx = 4 * g0 + tl.arange(0, 4 * GROUPS)
+    codes = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :],
+                    mask=(word_idx < 4 * end_group)[None, :], other=0)
+    meta = rows[:, None] * stride_cn + group_idx[None, :]
+    steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
+    mask = (group_idx < end_group)[None, :]
+    return (codes, tl.load(sc_ptr + meta, mask=mask, other=0), tl.load(ss_ptr + steps, mask=mask, other=0.0),
+            tl.load(zc_ptr + meta, mask=mask, other=0), tl.load(zs_ptr + steps, mask=mask, other=0.0))
+
+
+@triton.jit
 def _w4a8_kernel(
-    words_ptr, xs_ptr, xsum_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
-    M, N, K, stride_am, stride_gm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
+    x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -127,8 +119,7 @@ def _w4a8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
-    Strides: activation words (am) and groups (gm) per row; weight code words (qn), codes
-    (cn) and steps (sn) per row. They are passed apart from K so that Triton's divisibility
+    Row strides: activations (xm), weight code words (qn), codes (cn) and steps (sn). They are passed apart from K so that Triton's divisibility
     specialization proves the 16-byte alignment of every row.
 
     BLOCK_N: weight rows (outputs) per program. GROUPS: groups of 32 per main-loop trip.
@@ -145,46 +136,39 @@ def _w4a8_kernel(
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
     lanes = tl.arange(0, GROUPS)
-    word_lanes = tl.arange(0, 4 * GROUPS)
     acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc1 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc2 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
+    trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
+                      first_group, end_group, GROUPS)
     for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
+        # The next trip's weights are requested before this trip's arithmetic so that their
+        # memory latency overlaps it (past the split they are masked: no traffic).
+        next_trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
+                               stride_sn, g0 + GROUPS, end_group, GROUPS)
+        w, scale_codes, scale_steps, zero_codes, zero_steps = trip
         group_idx = g0 + lanes
         group_mask = group_idx < end_group
-        # group g's 16 code bytes = words 4g..4g+3 of the row (word j: k = 32g + 8j .. +7)
-        word_idx = 4 * g0 + word_lanes
-        word_mask = (word_idx < 4 * end_group)[None, :]
-        w = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :], mask=word_mask, other=0)
         w_low = w & 0x0F0F0F0F
         w_high = w & -252645136  # 0xF0F0F0F0
-        meta = rows[:, None] * stride_cn + group_idx[None, :]
-        steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
-        meta_mask = group_mask[None, :]
-        ws = tl.load(sc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
-            ss_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
-        wz = tl.load(zc_ptr + meta, mask=meta_mask, other=0).to(tl.float32) * tl.load(
-            zs_ptr + steps, mask=meta_mask, other=0.0).to(tl.float32)
-        # activation words of group g: even-k bytes at 8g..8g+3, odd-k bytes at 8g+4..8g+7
-        a_idx = 8 * g0 + 8 * (word_lanes // 4) + word_lanes % 4
-        acc0 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 0, stride_am,
-                          stride_gm, a_idx, group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+        ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)
+        wz = zero_codes.to(tl.float32) * zero_steps.to(tl.float32)
+        acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, stride_xm, group_idx,
+                          group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:
             if M > 1:
-                acc1 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 1,
-                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
-                                  BLOCK_N, INTERPRET)
+                acc1 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 1, stride_xm,
+                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 2:
             if M > 2:
-                acc2 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 2,
-                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
-                                  BLOCK_N, INTERPRET)
+                acc2 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 2, stride_xm,
+                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 3:
             if M > 3:
-                acc3 += _w4a8_row(w_low, w_high, ws, wz, words_ptr, xs_ptr, xsum_ptr, 3,
-                                  stride_am, stride_gm, a_idx, group_idx, group_mask, GROUPS,
-                                  BLOCK_N, INTERPRET)
+                acc3 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 3, stride_xm,
+                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+        trip = next_trip
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:
@@ -204,10 +188,9 @@ def _store_row(ptrs, values, mask, PARTIAL: tl.constexpr, INTERPRET: tl.constexp
 
 
 def launch_w4a8(bucket, x, weights, *, split_k: int, kernel):
-    """Quantize x, then run ``kernel`` (the bucket's autotuner or a single-config one)."""
-    words, x_scale, x_sum = quantize_activations(x)
+    """Run ``kernel`` (the bucket's autotuner or a single-config one) on bf16 ``x``."""
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
-        activations=(words, x_scale, x_sum), activation_strides=(words.stride(0), x_scale.stride(0)),
-        weights=weights, code_dtype=torch.int32,
+        activations=(x,), activation_strides=(x.stride(0),), weights=weights,
+        code_dtype=torch.int32,
     )

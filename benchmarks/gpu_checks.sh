@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
-# and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files), gemm (kernel
-# benchmark), profile (Nsight Compute counters of tuned launches), autotune (cold and warm
-# tuning benchmark), decode (decode benchmark).
+# and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files; TEST_WORKERS=n
+# spreads them over n pytest-xdist processes), picks (the compile-time pick test, alone: it
+# saturates every CPU core), gemm (kernel benchmark), profile (Nsight Compute counters of tuned
+# launches), autotune (cold and warm tuning benchmark), decode (decode benchmark).
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [gemm] [profile] [autotune] [decode]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [profile] [autotune] [decode]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -24,10 +25,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$ou
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider --durations=15 ${TEST_FILES:-tests/test_gpu.py \
+      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider --durations=15 \
+        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py \
         tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;
+    picks)
+      timeout "${PICKS_S:-240}" python -m pytest -q -rf -s -p no:cacheprovider tests/test_autotune_picks_gpu.py \
+        > "$out/picks.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR|regret" "$out/picks.log" | tail -10 ;;
     gemm)
       timeout "${GEMM_S:-240}" python benchmarks/bench_gemm.py --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" \
         --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \

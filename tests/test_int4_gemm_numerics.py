@@ -92,12 +92,14 @@ def test_w4a8_sampled_configs_match(bucket):
         assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=1, config=config), ref)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
-def test_w4a8_trips_past_the_end_of_a_split_add_nothing(split):
-    # 3 super-blocks, 2 per trip: split 1 ends on a half-empty trip, split 2 (2 + 1) on another.
+def test_w4a8_trips_past_the_end_of_a_split_add_nothing(split, prefetch):
+    # 3 super-blocks, 2 per trip: split 1 ends on a half-empty trip, split 2 (2 + 1) on another;
+    # a prefetching program also loads (masked) the trip after its last.
     packed, _ = packed_weight(40, 768, seed=17, device=DEVICE)
     x = _x(4, 768, seed=17)
-    config = triton.Config({"BLOCK_N": 16, "GROUPS": 16, "STAGES": 1}, num_warps=4)
+    config = triton.Config({"BLOCK_N": 16, "GROUPS": 16, "STAGES": 1, "PREFETCH": prefetch}, num_warps=4)
     out = launch(4, x, *packed, 32, split_k=split, config=config)
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 

@@ -19,6 +19,7 @@ from coalesced_int4.kernels import (
 )
 from coalesced_int4.kernels.family import QuantizedGemmFamily
 from coalesced_int4.kernels.rules import (
+    W4A8_PREFETCH,
     W4A8_STAGES,
     W4A8_TILES,
     W4A16_BLOCK_N,
@@ -174,10 +175,10 @@ def test_split_k_needs_one_super_block_per_split(k):
 def test_w4a8_config_space():
     for bucket in (1, 2, 3, 4):
         configs = int4_autotune_configs(bucket)
-        seen = {(c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.num_warps, c.kwargs["STAGES"], c.num_stages)
-                for c in configs}
-        assert seen == {(n, g, w, s, s) for n, g, w in W4A8_TILES for s in W4A8_STAGES}
-        assert len(configs) == len(W4A8_TILES) * len(W4A8_STAGES)
+        seen = {(c.kwargs["BLOCK_N"], c.kwargs["GROUPS"], c.num_warps, c.kwargs["STAGES"], c.num_stages,
+                 c.kwargs["PREFETCH"]) for c in configs}
+        assert seen == {(n, g, w, s, s, p) for n, g, w in W4A8_TILES for s in W4A8_STAGES for p in W4A8_PREFETCH}
+        assert len(configs) == len(W4A8_TILES) * len(W4A8_STAGES) * len(W4A8_PREFETCH)
 
 
 def test_w4a16_config_space():
@@ -192,7 +193,7 @@ def test_w4a16_config_space():
 
 @pytest.mark.parametrize(
     "bucket, k, split, max_stages",
-    [(4, 256, 1, 1), (4, 8192, 1, 1), (8, 512, 1, 2), (8, 1024, 2, 2), (8, 6656, 1, 3),
+    [(4, 256, 1, 1), (4, 8192, 1, 2), (4, 8192, 16, 1), (8, 512, 1, 2), (8, 1024, 2, 2), (8, 6656, 1, 3),
      (64, 6656, 8, 3), (64, 6656, 16, 2)],
 )
 def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_stages):

@@ -94,25 +94,29 @@ def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
 
 
 # ------------------------------------------------------------------ autotune config spaces
-W4A8_TILES = ((8, 32, 4), (16, 32, 4), (32, 16, 4))
+W4A8_TILES = ((16, 32, 4), (8, 64, 4), (32, 16, 4))
 """(BLOCK_N, GROUPS, num_warps): output columns per program, groups of 32 weights per
-main-loop trip, warps per program. Kept small on purpose: each config costs seconds of
-compile per bucket on a cold start."""
-W4A8_STAGES = (1,)
+main-loop trip, warps per program. The fastest of an 18-config sweep on the H200 at M = 1
+and 4 (docs/benchmarks.md); kept small because each config costs seconds of compile per
+bucket on a cold start."""
+W4A8_STAGES = (1, 2)
+W4A8_PREFETCH = (False, True)
 W4A16_BLOCK_N = (64, 128)
 W4A16_WARPS = (4,)
 W4A16_STAGES = (2, 3)
 
 
 def int4_autotune_configs(bucket: int) -> List[triton.Config]:
-    """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages.
+    """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages x
+    prefetch.
     W4A16: BLOCK_M is the bucket (one tile holds every row, so the weights are decoded once)
     x BLOCK_N x warps x stages."""
     if bucket in W4A8_BUCKETS:
         return [
-            triton.Config({"BLOCK_N": n, "GROUPS": g, "STAGES": s}, num_warps=w, num_stages=s)
+            triton.Config({"BLOCK_N": n, "GROUPS": g, "STAGES": s, "PREFETCH": p}, num_warps=w, num_stages=s)
             for n, g, w in W4A8_TILES
             for s in W4A8_STAGES
+            for p in W4A8_PREFETCH
         ]
     if bucket in W4A16_BUCKETS:
         return [

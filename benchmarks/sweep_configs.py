@@ -22,11 +22,10 @@ import time
 from typing import List, Optional
 
 import torch
-import triton
 from bench_gemm import bucket_for, copies_for, random_int4_weights, time_calls, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
 from coalesced_int4.kernels import autotune_launch_params, check_split_k, launch
-from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS
+from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, int4_config
 
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch
@@ -40,17 +39,12 @@ GRIDS = {
 }
 
 
-def to_config(entry: dict) -> triton.Config:
-    meta = {k: v for k, v in entry.items() if k != "num_warps"}
-    return triton.Config(meta, num_warps=entry["num_warps"], num_stages=entry["STAGES"])
-
-
 def compile_one(job) -> Optional[str]:
     """Compile (by launching once, on a small N) one entry at one (bucket, split)."""
     entry, k, bucket, split = job
     try:
         x = torch.randn(bucket, k, dtype=torch.bfloat16, device="cuda")
-        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=to_config(entry))
+        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=int4_config(**entry))
         torch.cuda.synchronize()
         return None
     except Exception as error:  # an entry that does not compile is reported and skipped later
@@ -99,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for entry, split in itertools.product(grid, splits):
                 try:
                     check_split_k(split, k)
-                    config = to_config(entry)
+                    config = int4_config(**entry)
                     us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config)
                                      for w in copies])
                 except Exception:  # illegal split or a config that failed to compile

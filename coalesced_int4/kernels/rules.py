@@ -96,14 +96,20 @@ def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
 # ------------------------------------------------------------------ autotune config spaces
 W4A8_TILES = ((16, 32, 4), (8, 64, 4), (32, 16, 4))
 """(BLOCK_N, GROUPS, num_warps): output columns per program, groups of 32 weights per
-main-loop trip, warps per program. The fastest of an 18-config sweep on the H200 at M = 1
-and 4 (docs/benchmarks.md); kept small because each config costs seconds of compile per
-bucket on a cold start."""
+main-loop trip, warps per program. The tiles that won a sweep of 9 tiles x 2 stages on the
+H200 at M = 1 and 4 (docs/benchmarks.md); kept small because each config costs seconds of
+compile per bucket on a cold start."""
 W4A8_STAGES = (1, 2)
 W4A8_PREFETCH = (False, True)
 W4A16_BLOCK_N = (64, 128)
 W4A16_WARPS = (4,)
 W4A16_STAGES = (2, 3)
+
+
+def int4_config(num_warps: int, **meta) -> triton.Config:
+    """A kernel config whose compile-time pipeline depth (``num_stages``) is its ``STAGES``,
+    the depth its main loop is written for."""
+    return triton.Config(meta, num_warps=num_warps, num_stages=meta["STAGES"])
 
 
 def int4_autotune_configs(bucket: int) -> List[triton.Config]:
@@ -113,14 +119,14 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     x BLOCK_N x warps x stages."""
     if bucket in W4A8_BUCKETS:
         return [
-            triton.Config({"BLOCK_N": n, "GROUPS": g, "STAGES": s, "PREFETCH": p}, num_warps=w, num_stages=s)
+            int4_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)
             for n, g, w in W4A8_TILES
             for s in W4A8_STAGES
             for p in W4A8_PREFETCH
         ]
     if bucket in W4A16_BUCKETS:
         return [
-            triton.Config({"BLOCK_N": n, "STAGES": s}, num_warps=w, num_stages=s)
+            int4_config(w, BLOCK_N=n, STAGES=s)
             for n in W4A16_BLOCK_N
             for w in W4A16_WARPS
             for s in W4A16_STAGES

@@ -22,9 +22,8 @@ from coalesced_int4.kernels.rules import (
     W4A8_PREFETCH,
     W4A8_STAGES,
     W4A8_TILES,
-    W4A16_BLOCK_N,
     W4A16_STAGES,
-    W4A16_WARPS,
+    W4A16_TILES,
 )
 
 
@@ -185,8 +184,8 @@ def test_w4a16_config_space():
     for bucket in (8, 16, 32, 64):
         configs = int4_autotune_configs(bucket)
         seen = {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"], c.num_stages) for c in configs}
-        assert seen == {(n, w, s, s) for n in W4A16_BLOCK_N for w in W4A16_WARPS for s in W4A16_STAGES}
-        assert len(configs) == len(W4A16_BLOCK_N) * len(W4A16_WARPS) * len(W4A16_STAGES)
+        assert seen == {(n, w, s, s) for n, w in W4A16_TILES for s in W4A16_STAGES}
+        assert len(configs) == len(W4A16_TILES) * len(W4A16_STAGES)
     with pytest.raises(ValueError, match="no autotune space for bucket 5"):
         int4_autotune_configs(5)
 

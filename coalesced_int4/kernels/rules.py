@@ -101,8 +101,10 @@ H200 at M = 1 and 4 (docs/benchmarks.md); kept small because each config costs s
 compile per bucket on a cold start."""
 W4A8_STAGES = (1, 2)
 W4A8_PREFETCH = (False, True)
-W4A16_BLOCK_N = (64, 128)
-W4A16_WARPS = (4,)
+W4A16_TILES = ((64, 4), (128, 8))
+"""(BLOCK_N, num_warps): one warp group per 64 weight rows (the tensor-core instruction's M).
+The tiles that placed in a sweep of six on the H200 at M = 8, 16 and 64 (docs/benchmarks.md);
+BLOCK_N 128 with 4 warps never did."""
 W4A16_STAGES = (2, 3)
 
 
@@ -116,7 +118,7 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages x
     prefetch.
     W4A16: BLOCK_M is the bucket (one tile holds every row, so the weights are decoded once)
-    x BLOCK_N x warps x stages."""
+    x every tile of ``W4A16_TILES`` x stages."""
     if bucket in W4A8_BUCKETS:
         return [
             int4_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)
@@ -127,8 +129,7 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     if bucket in W4A16_BUCKETS:
         return [
             int4_config(w, BLOCK_N=n, STAGES=s)
-            for n in W4A16_BLOCK_N
-            for w in W4A16_WARPS
+            for n, w in W4A16_TILES
             for s in W4A16_STAGES
         ]
     raise ValueError(f"no autotune space for bucket {bucket}; buckets are {SUPPORTED_BUCKETS}")

@@ -21,14 +21,18 @@ from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 
 @triton.jit
 def _bf16_chain(q, zero, scale, INTERPRET: tl.constexpr):
-    """bf16(bf16(q - zero) * scale) from bf16 ``zero`` and ``scale``. The interpreter does bf16
-    arithmetic on raw bits, so there each step runs in fp32 and is rounded to bf16: the same
-    value, since every fp32 intermediate here is exact."""
+    """bf16(bf16(q - zero) * scale) from 4-bit codes ``q`` (uint8) and bf16 ``zero`` and
+    ``scale``. On the GPU the code becomes a bf16 without an int->float conversion (a
+    quarter-rate instruction, one per weight): ``0x4300 | q`` is the bf16 bit pattern of
+    128 + q, and subtracting 128 is exact. The interpreter does bf16 arithmetic on raw bits,
+    so there each step runs in fp32 and is rounded to bf16: the same value, since every fp32
+    intermediate here is exact."""
     if INTERPRET:
         diff = to_bf16(q.to(tl.float32) - zero.to(tl.float32), INTERPRET)
         return to_bf16(diff.to(tl.float32) * scale.to(tl.float32), INTERPRET)
     else:
-        return (q.to(tl.float32).to(tl.bfloat16) - zero) * scale
+        q_bf16 = (q.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+        return (q_bf16 - zero) * scale
 
 
 @triton.jit
@@ -70,17 +74,23 @@ def _w4a16_kernel(
     groups = tl.arange(0, 8)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
+    # The fp16 steps (one per row and super-block) are too narrow for the pipeliner's async
+    # copies, so they are prefetched by hand: the next super-block's are requested before
+    # this one's arithmetic instead of stalling every trip on a global load.
+    last_sb = first_sb + sb_count - 1
+    scale_step = tl.load(ss_ptr + rows * stride_sn + first_sb)
+    zero_step = tl.load(zs_ptr + rows * stride_sn + first_sb)
     for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
         packed = tl.load(q_ptr + rows[:, None] * stride_qn + sb * 128 + code_bytes[None, :])
         q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, 256])
         meta = rows[:, None] * stride_cn + sb * 8 + groups[None, :]
-        step = rows * stride_sn + sb
         scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
-                              to_bf16(tl.load(ss_ptr + step).to(tl.float32), INTERPRET)[:, None],
-                              INTERPRET)
+                              to_bf16(scale_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
         zero = _bf16_product(tl.load(zc_ptr + meta).to(tl.float32).to(tl.bfloat16),
-                             to_bf16(tl.load(zs_ptr + step).to(tl.float32), INTERPRET)[:, None],
-                             INTERPRET)
+                             to_bf16(zero_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
+        next_step = rows * stride_sn + tl.minimum(sb + 1, last_sb)
+        scale_step = tl.load(ss_ptr + next_step)
+        zero_step = tl.load(zs_ptr + next_step)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
         zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
         w = _bf16_chain(q, zero, scale, INTERPRET)

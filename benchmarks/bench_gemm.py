@@ -101,7 +101,7 @@ def bench_ours(n, k, ms, results):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         with autotune_launch_params() as stats:
             launch(bucket, x, *copies[0], 32)
-        split = stats.picks[-1].choice if stats.picks else 1
+        split = stats.choices[-1]
         us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split) for w in copies])
         results[(n, k, m)].update(ours_us=us, split_k=split, bucket=bucket)
     del copies

@@ -33,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             with autotune_launch_params() as stats:
                 launch(bucket, x, *weights, 32)
-            split = stats.picks[-1].choice if stats.picks else 1
+            split = stats.choices[-1]
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("profile")
             launch(bucket, x, *weights, 32, split_k=split)

@@ -101,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 times.append({"us": us, "split": split, **entry})
             with autotune_launch_params() as stats:
                 launch(bucket, x, *copies[0], 32)
-            pick_split = stats.picks[-1].choice if stats.picks else 1
+            pick_split = stats.choices[-1]
             pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=pick_split) for w in copies])
             times.sort(key=lambda t: t["us"])
             rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split, "times": times})

@@ -67,6 +67,15 @@ def test_each_shape_is_timed_once():
     assert stats.measured == 2 and stats.cache_hits == 1
 
 
+def test_every_launch_reports_the_value_it_ran_with_however_it_was_decided():
+    run = _toy(COST)
+    with autotune_launch_params() as stats:
+        run(torch.zeros(4))  # timed
+        run(torch.zeros(4))  # cached in this process
+        run(torch.zeros(4), split_k=2)  # explicit
+    assert stats.choices == [4, 4, 2] and len(stats.picks) == 1
+
+
 def test_an_explicit_value_is_used_as_is():
     calls = []
     with autotune_launch_params() as stats:

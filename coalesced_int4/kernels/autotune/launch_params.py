@@ -62,7 +62,10 @@ class LaunchParamStats:
     cache_hits: int = 0
     restored: int = 0  # picks read from the persistent cache instead of timed
     out_of_memory: int = 0
-    picks: List[LaunchParamPick] = dataclasses.field(default_factory=list)
+    picks: List[LaunchParamPick] = dataclasses.field(default_factory=list)  # the timed ones
+    choices: List[Any] = dataclasses.field(default_factory=list)
+    """The value each tuned launch ran with, in order, however it was decided (timed, cached
+    in this process, or restored from the persistent cache)."""
 
 
 _state = threading.local()
@@ -138,6 +141,8 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
             stats = getattr(_state, "stats", None)
             if param in kwargs or stats is None or len(candidates) == 1:
                 kwargs.setdefault(param, candidates[0])
+                if stats is not None:
+                    stats.choices.append(kwargs[param])
                 return fn(*args, **kwargs)
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not tensors:
@@ -163,7 +168,9 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
                             store.put(stored_key, choice)
                     if choice is not None:
                         _cache[key] = choice
-            return fn(*args, **{**kwargs, param: candidates[0] if choice is None else choice})
+            choice = candidates[0] if choice is None else choice
+            stats.choices.append(choice)
+            return fn(*args, **{**kwargs, param: choice})
 
         return wrapper
 

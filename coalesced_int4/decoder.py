@@ -66,6 +66,10 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), False)
 
+    def fits(self, batch: int, like: torch.Tensor) -> bool:
+        """Whether this cache holds ``batch`` sequences of ``like``'s dtype and device."""
+        return self.k.shape[0] == batch and self.k.dtype == like.dtype and self.k.device == like.device
+
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.k.index_copy_(2, positions, k)
         self.v.index_copy_(2, positions, v)
@@ -132,14 +136,22 @@ class Decoder(nn.Module):
         self.register_buffer("causal_mask", None, persistent=False)
 
     def setup_cache(self, batch: int) -> None:
-        """(Re)build the rotary table and causal mask and a zeroed KV cache per layer for
-        ``batch`` sequences, on the device of the embeddings (call after loading weights)."""
+        """A zeroed KV cache per layer for ``batch`` sequences, and the rotary table and causal
+        mask, on the device of the embeddings (call after loading weights). Buffers that
+        already fit are reused (the caches zeroed in place), so compiled CUDA graphs keep
+        their addresses from one generation to the next."""
         c, weight = self.config, self.tok_embeddings.weight
-        self.rope = rope_table(c).to(weight.device)
-        mask = torch.ones(c.max_seq_len, c.max_seq_len, dtype=torch.bool, device=weight.device)
-        self.causal_mask = mask.tril()
+        if self.rope is None or self.rope.device != weight.device:
+            self.rope = rope_table(c).to(weight.device)
+            mask = torch.ones(c.max_seq_len, c.max_seq_len, dtype=torch.bool, device=weight.device)
+            self.causal_mask = mask.tril()
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch, c, weight.dtype, weight.device)
+            cache = layer.attention.kv_cache
+            if cache is not None and cache.fits(batch, weight):
+                cache.k.zero_()
+                cache.v.zero_()
+            else:
+                layer.attention.kv_cache = KVCache(batch, c, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) for ``tokens`` (batch, seq) at ``positions`` (seq,); needs

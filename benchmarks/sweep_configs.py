@@ -28,10 +28,12 @@ from coalesced_int4.kernels import autotune_launch_params, check_split_k, launch
 from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, int4_config
 
 GRIDS = {
-    # BLOCK_N x GROUPS x warps x stages x prefetch
+    # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
+    # row's activation quantization among more weights: 6.6-9.0 instructions per weight at
+    # bucket 4 against 10.5 for the shipped (16, 32, 4) (benchmarks/sass_w4a8.py), fewer warps.
     "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s, PREFETCH=p)
              for n, g, w in ((4, 32, 2), (8, 16, 2), (8, 32, 4), (8, 64, 4), (16, 16, 4), (16, 32, 4),
-                             (16, 32, 8), (32, 16, 4), (32, 32, 8))
+                             (16, 32, 8), (32, 16, 4), (32, 32, 8), (64, 16, 4), (64, 16, 8), (128, 8, 8))
              for s in (1, 2) for p in (False, True)],
     # BLOCK_N x warps x stages
     "w4a16": [dict(BLOCK_N=n, num_warps=w, STAGES=s)

@@ -2,10 +2,12 @@
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
 # and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files; TEST_WORKERS=n
 # spreads them over n pytest-xdist processes), picks (the compile-time pick test, alone: it
-# saturates every CPU core), gemm (kernel benchmark), profile (Nsight Compute counters of tuned
+# saturates every CPU core), gemm (kernel benchmark), sweep (config sweep of SWEEP_FAMILY, once
+# per source tree in SWEEP_TREES: folders holding a coalesced_int4 package, e.g. a branch's copy,
+# to A/B kernel variants; default this checkout), profile (Nsight Compute counters of tuned
 # launches), autotune (cold and warm tuning benchmark), decode (decode benchmark).
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [profile] [autotune] [decode]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -39,6 +41,17 @@ for step in $steps; do
         --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \
         > "$out/gemm.log" 2>&1
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
+    sweep)
+      for tree in ${SWEEP_TREES:-.}; do
+        tree=$(cd "$tree" && pwd); label=$(basename "$tree")
+        # The tree's package first on the path; its own empty pick cache, so that no pick of
+        # another tree or of an earlier call on this machine is restored.
+        COALESCED_INT4_CACHE_DIR=$(mktemp -d) PYTHONPATH=$tree:$PYTHONPATH timeout "${SWEEP_S:-150}" \
+          python benchmarks/sweep_configs.py --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
+          --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
+          --json "$out/sweep-$label.json" > "$out/sweep-$label.log" 2>&1
+        grep -E "^\||^#" "$out/sweep-$label.log" | cut -c1-330 | tail -16
+      done ;;
     profile)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx --nvtx-include "profile/" \

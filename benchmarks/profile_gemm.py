@@ -3,7 +3,9 @@
 Per (N, K, M): the launch is tuned first (split-K and tile config, as the benchmark does),
 then run once inside an NVTX range named ``profile``, so that ncu profiles exactly the kernels
 of one tuned launch (the GEMM, and the split-K reduction when split > 1) and nothing of the
-tuning. ``benchmarks/gpu_checks.sh profile`` runs it under ncu; alone it only prints the picks.
+tuning. ``benchmarks/gpu_checks.sh profile`` runs it twice with one fresh pick cache: alone
+(tuning and printing the picks; timings taken under ncu are not the real ones), then under ncu,
+where every pick is restored from that cache instead of timed.
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" python benchmarks/profile_gemm.py
 """

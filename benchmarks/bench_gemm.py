@@ -94,14 +94,20 @@ def random_int4_weights(n: int, k: int, copies: int):
     return out
 
 
+def tuned_split(bucket, x, weights) -> int:
+    """The split-K our launch runs ``x`` on ``weights`` with: tuned now, or restored from the
+    pick caches (the tile config is tuned or restored alongside)."""
+    with autotune_launch_params() as stats:
+        launch(bucket, x, *weights, 32)
+    return stats.choices[-1]
+
+
 def bench_ours(n, k, ms, results):
     copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
     for m in ms:
         bucket = bucket_for(m)
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        with autotune_launch_params() as stats:
-            launch(bucket, x, *copies[0], 32)
-        split = stats.choices[-1]
+        split = tuned_split(bucket, x, copies[0])
         us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split) for w in copies])
         results[(n, k, m)].update(ours_us=us, split_k=split, bucket=bucket)
     del copies

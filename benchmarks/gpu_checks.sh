@@ -56,14 +56,14 @@ for step in $steps; do
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       # Tuned first without ncu (timings under ncu are not the real ones) into a fresh pick
       # cache, which the profiled run then restores instead of timing.
-      export COALESCED_INT4_CACHE_DIR=$(mktemp -d)
+      picks=$(mktemp -d)
       profile_args=(--shapes "${PROFILE_SHAPES:-8448x6656}" --ms "${MS:-1,4,16,64}")
-      timeout "${PROFILE_S:-240}" python benchmarks/profile_gemm.py "${profile_args[@]}" > "$out/profile-picks.log" 2>&1
-      timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx --nvtx-include "profile/" \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-        --section LaunchStats --section SchedulerStats --section WarpStateStats \
+      COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" python benchmarks/profile_gemm.py \
+        "${profile_args[@]}" > "$out/profile-picks.log" 2>&1
+      COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx \
+        --nvtx-include "profile/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
         python benchmarks/profile_gemm.py "${profile_args[@]}" > "$out/profile.log" 2>&1
-      unset COALESCED_INT4_CACHE_DIR
       grep -E "^# profile|==ERROR==|_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible|Stall" \
         "$out/profile.log" | head -80 ;;
     autotune)

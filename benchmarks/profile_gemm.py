@@ -17,9 +17,9 @@ import sys
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, random_int4_weights  # this script's folder is on sys.path
+from bench_gemm import bucket_for, random_int4_weights, tuned_split  # this script's folder is on sys.path
 
-from coalesced_int4.kernels import BUCKET_KERNELS, autotune_launch_params, launch
+from coalesced_int4.kernels import BUCKET_KERNELS, launch
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -33,9 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in (int(v) for v in args.ms.split(",")):
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            with autotune_launch_params() as stats:
-                launch(bucket, x, *weights, 32)
-            split = stats.choices[-1]
+            split = tuned_split(bucket, x, weights)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("profile")
             launch(bucket, x, *weights, 32, split_k=split)

@@ -22,9 +22,9 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, copies_for, random_int4_weights, time_calls, INT4_BYTES_PER_WEIGHT  # noqa: I001
+from bench_gemm import bucket_for, copies_for, random_int4_weights, time_calls, tuned_split, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
-from coalesced_int4.kernels import autotune_launch_params, check_split_k, launch
+from coalesced_int4.kernels import check_split_k, launch
 from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, int4_config
 
 GRIDS = {
@@ -101,9 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 except Exception:  # illegal split or a config that failed to compile
                     continue
                 times.append({"us": us, "split": split, **entry})
-            with autotune_launch_params() as stats:
-                launch(bucket, x, *copies[0], 32)
-            pick_split = stats.choices[-1]
+            pick_split = tuned_split(bucket, x, copies[0])
             pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=pick_split) for w in copies])
             times.sort(key=lambda t: t["us"])
             rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split, "times": times})

@@ -136,14 +136,8 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
             raise TypeError(f"{name} has no parameter '{param}'")
         token = object()
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            stats = getattr(_state, "stats", None)
-            if param in kwargs or stats is None or len(candidates) == 1:
-                kwargs.setdefault(param, candidates[0])
-                if stats is not None:
-                    stats.choices.append(kwargs[param])
-                return fn(*args, **kwargs)
+        def decide(stats, args, kwargs):
+            """The value to run with: this process's pick, a stored one, or one timed now."""
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not tensors:
                 raise ValueError("autotune_launch_param needs a tensor argument to time on")
@@ -155,22 +149,31 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
             with _lock:
                 if key in _cache:
                     stats.cache_hits += 1
-                    choice = _cache[key]
+                    return _cache[key]
+                store = PickStore("launch_params", device_name) if device.type == "cuda" else None
+                stored_key = [name, *key[2:]]
+                choice = store.get(stored_key) if store is not None else None
+                if choice in candidates:
+                    stats.restored += 1
                 else:
-                    store = PickStore("launch_params", device_name) if device.type == "cuda" else None
-                    stored_key = [name, *key[2:]]
-                    choice = store.get(stored_key) if store is not None else None
-                    if choice in candidates:
-                        stats.restored += 1
-                    else:
-                        choice = _measure(fn, name, param, candidates, args, kwargs, stats)
-                        if choice is not None and store is not None:
-                            store.put(stored_key, choice)
-                    if choice is not None:
-                        _cache[key] = choice
-            choice = candidates[0] if choice is None else choice
-            stats.choices.append(choice)
-            return fn(*args, **{**kwargs, param: choice})
+                    choice = _measure(fn, name, param, candidates, args, kwargs, stats)
+                    if choice is None:  # out of memory twice: untuned, not cached
+                        return candidates[0]
+                    if store is not None:
+                        store.put(stored_key, choice)
+                _cache[key] = choice
+                return choice
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            stats = getattr(_state, "stats", None)
+            if param in kwargs or stats is None or len(candidates) == 1:
+                value = kwargs.pop(param, candidates[0])
+            else:
+                value = decide(stats, args, kwargs)
+            if stats is not None:
+                stats.choices.append(value)
+            return fn(*args, **kwargs, **{param: value})
 
         return wrapper
 

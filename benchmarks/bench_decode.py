@@ -1,19 +1,21 @@
 """Decode benchmark: the built-in decoder at Llama-3-8B shapes (32 layers, hidden 4096, 32
 heads / 8 KV heads, MLP 14336, vocab 128256; seeded random weights; bf16 KV cache), greedy
-generation of 128 tokens after a 16-token prompt, compiled region by region: each transformer
-block, the final norm and the LM head are compiled with ``torch.compile(mode="reduce-overhead",
-fullgraph=True, dynamic=False)`` (CUDA graphs), and the ops between them (embedding lookup,
-last-position slice, argmax) run eager. Why regions: compiling the whole step took more than
-2 minutes per graph on the H200 machine (2026-11-30: one prefill graph was not done after
-125 s), and the benchmark needs a prefill and a decode graph per method and batch size; the
-blocks share their compiled code (PyTorch's regional compilation), so each graph is one
-block's worth of compile.
+generation of 128 tokens after a 16-token prompt, compiled and replayed in CUDA graphs.
+
+Compiled region by region: each transformer block, the final norm and the LM head are
+compiled with ``torch.compile(fullgraph=True, dynamic=False)``; the blocks share their compiled
+code (PyTorch's regional compilation), so each batch size costs one block's worth of compile
+(compiling the whole step took more than 2 minutes per graph on the H200 machine,
+2026-11-30). The prefill and the decode step, compiled regions and the eager ops between them
+(embedding, last-position slice, argmax, the position update), are then captured in one CUDA
+graph each, as a serving engine does: a decode step is one graph launch, with no per-step
+host work or synchronization to time.
 
 Per method (bf16, ours, torchao ``Int4WeightOnlyConfig(group_size=32,
-int4_packing_format="tile_packed_to_4d")``) and batch size: tokens/s over the 128 decode steps
-(after a warm-up generation that compiles), time to first token (the compiled prefill), and the
-weight bytes. All methods run in one process on one GPU, batch by batch, each phase's time
-printed as it ends.
+int4_packing_format="tile_packed_to_4d")``) and batch size: tokens/s over 128 decode-step
+replays, time to first token (one prefill replay) and the weight bytes, and whether the
+graphed tokens follow eager generation. All methods run in one process on one GPU, batch by
+batch, each phase's time printed as it ends.
 
     python benchmarks/bench_decode.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--json out.json]
 """
@@ -79,7 +81,7 @@ def compile_regions(model) -> None:
     INT4 weight, Dynamo failed to trace the subclass's ``__torch_function__`` table lookup with
     torch 2.13.)"""
     def compiled(region):
-        return torch.compile(region, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        return torch.compile(region, fullgraph=True, dynamic=False)
 
     for i, layer in enumerate(model.layers):
         model.layers[i] = compiled(layer)
@@ -87,36 +89,69 @@ def compile_regions(model) -> None:
     model.output = compiled(model.output)
 
 
+def capture(step) -> torch.cuda.CUDAGraph:
+    """``step`` run twice on a side stream (compiles, Inductor's and Triton's first-call work),
+    then captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def measure(model, batch: int, label: str) -> Dict[str, float]:
     generator = torch.Generator(device="cpu").manual_seed(batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=generator).cuda()
-    positions = torch.arange(PROMPT, device="cuda")
+    prompt_positions = torch.arange(PROMPT, device="cuda")
+    # The graphs' inputs and outputs: the last token of each sequence and its position,
+    # advanced by every replay.
+    token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    position = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def prefill():
+        token.copy_(model(prompt, prompt_positions)[:, -1].argmax(-1, keepdim=True))
+        position.fill_(PROMPT)
+
+    def decode():
+        token.copy_(model(token, position)[:, -1].argmax(-1, keepdim=True))
+        position.add_(1)
+
     # Eager steps first, with split-K timing on: every INT4 shape is tuned before tracing, so
     # the compiled graphs get each shape's picked config and split alone (docs/design.md,
-    # "Tracing picks").
+    # "Tracing picks"); compiling and capturing stay inside the context, where the picks
+    # are read back.
+    phase = Phases(f"{label} batch {batch}")
     with torch.no_grad(), autotune_launch_params():
-        phase = Phases(f"{label} batch {batch}")
         with torch.compiler.set_stance("force_eager"):
-            generate(model, prompt, 2)
+            eager_tokens, _ = generate(model, prompt, 2)
         phase.done("eager warm-up and tuning")
         model.setup_cache(batch)
-        for _ in range(3):  # compile, record the CUDA graphs, replay
-            model(prompt, positions)
-        phase.done("prefill compile")
-        generate(model, prompt, 8)
-        phase.done("decode-step compile")
-    with torch.no_grad():
-        model.setup_cache(batch)
-        start = time.perf_counter()
-        model(prompt, positions)
-        torch.cuda.synchronize()
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        tokens, _ = generate(model, prompt, NEW_TOKENS)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        prefill_graph = capture(prefill)
+        phase.done("prefill compile and capture")
+        decode_graph = capture(decode)
+        phase.done("decode-step compile and capture")
+    tokens = torch.empty(batch, NEW_TOKENS + 1, dtype=torch.long, device="cuda")
+    model.setup_cache(batch)  # zeroed in place: the captured addresses stay valid
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    prefill_graph.replay()
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - start
+    tokens[:, 0:1].copy_(token)
+    start = time.perf_counter()
+    for i in range(1, NEW_TOKENS + 1):
+        decode_graph.replay()
+        tokens[:, i:i + 1].copy_(token)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     return {"tokens_per_s": batch * NEW_TOKENS / seconds, "ttft_ms": ttft * 1e3,
-            "first_tokens": tokens[0, :8].tolist()}
+            "first_tokens": tokens[0, :8].tolist(),
+            "matches_eager": int((tokens[:, :2] == eager_tokens).sum()) / eager_tokens.numel()}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -143,10 +178,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     for batch in batches:
         for method, model in models.items():
             size = weight_bytes(model)
-            result = measure(model, batch, method)
+            try:
+                result = measure(model, batch, method)
+            except Exception as error:  # the other methods' measurements still count
+                print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
+                continue
             rows.append({"method": method, "batch": batch, "weight_bytes": size, **result})
             print(f"{method:8s} batch {batch:3d}: {result['tokens_per_s']:8.1f} tok/s, "
-                  f"TTFT {result['ttft_ms']:.1f} ms, weights {size / 2**30:.2f} GiB", flush=True)
+                  f"TTFT {result['ttft_ms']:.1f} ms, weights {size / 2**30:.2f} GiB, "
+                  f"first tokens as eager {result['matches_eager']:.0%}", flush=True)
     by_batch = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "bf16"}
     for row in rows:
         if row["batch"] in by_batch:

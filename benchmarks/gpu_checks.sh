@@ -73,7 +73,7 @@ for step in $steps; do
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --batches "${BATCHES:-1,4,16}" \
         --json "$out/decode.json" > "$out/decode.log" 2>&1
-      grep -E "^\||^#|tok/s" "$out/decode.log" | tail -24 ;;
+      grep -E "^\||^#|tok/s|failed|Error" "$out/decode.log" | tail -30 ;;
   esac
 done
 tar czf "$out/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .

@@ -104,54 +104,86 @@ def capture(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
+class GraphedGeneration:
+    """Greedy generation for ``batch`` sequences of a seeded prompt: ``prefill`` and
+    ``decode`` are the step functions (compiled regions and the eager ops between them),
+    ``prefill_graph`` and ``decode_graph`` their CUDA graphs. ``token`` holds each sequence's
+    last token, ``position`` its position: every decode replay advances both.
+
+    Built after eager steps with split-K timing on: every INT4 shape is tuned before tracing,
+    so the compiled graphs get each shape's picked config and split alone (docs/design.md,
+    "Tracing picks"); compiling and capturing stay inside the context, where the picks are
+    read back."""
+
+    def __init__(self, model, batch: int, label: str):
+        self.model, self.batch = model, batch
+        generator = torch.Generator(device="cpu").manual_seed(batch)
+        self.prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=generator).cuda()
+        self.prompt_positions = torch.arange(PROMPT, device="cuda")
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        self.position = torch.zeros(1, dtype=torch.long, device="cuda")
+        phase = Phases(f"{label} batch {batch}")
+        with torch.no_grad(), autotune_launch_params():
+            with torch.compiler.set_stance("force_eager"):
+                self.eager_tokens, _ = generate(model, self.prompt, 2)
+            phase.done("eager warm-up and tuning")
+            model.setup_cache(batch)
+            self.prefill_graph = capture(self.prefill)
+            phase.done("prefill compile and capture")
+            self.decode_graph = capture(self.decode)
+            phase.done("decode-step compile and capture")
+
+    def prefill(self) -> None:
+        logits = self.model(self.prompt, self.prompt_positions)[:, -1]
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.position.fill_(PROMPT)
+
+    def decode(self) -> None:
+        self.token.copy_(self.model(self.token, self.position)[:, -1].argmax(-1, keepdim=True))
+        self.position.add_(1)
+
+    def restart(self) -> None:
+        """An empty KV cache (zeroed in place: the captured addresses stay valid)."""
+        self.model.setup_cache(self.batch)
+
+
 def measure(model, batch: int, label: str) -> Dict[str, float]:
-    generator = torch.Generator(device="cpu").manual_seed(batch)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=generator).cuda()
-    prompt_positions = torch.arange(PROMPT, device="cuda")
-    # The graphs' inputs and outputs: the last token of each sequence and its position,
-    # advanced by every replay.
-    token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-    position = torch.zeros(1, dtype=torch.long, device="cuda")
-
-    def prefill():
-        token.copy_(model(prompt, prompt_positions)[:, -1].argmax(-1, keepdim=True))
-        position.fill_(PROMPT)
-
-    def decode():
-        token.copy_(model(token, position)[:, -1].argmax(-1, keepdim=True))
-        position.add_(1)
-
-    # Eager steps first, with split-K timing on: every INT4 shape is tuned before tracing, so
-    # the compiled graphs get each shape's picked config and split alone (docs/design.md,
-    # "Tracing picks"); compiling and capturing stay inside the context, where the picks
-    # are read back.
-    phase = Phases(f"{label} batch {batch}")
-    with torch.no_grad(), autotune_launch_params():
-        with torch.compiler.set_stance("force_eager"):
-            eager_tokens, _ = generate(model, prompt, 2)
-        phase.done("eager warm-up and tuning")
-        model.setup_cache(batch)
-        prefill_graph = capture(prefill)
-        phase.done("prefill compile and capture")
-        decode_graph = capture(decode)
-        phase.done("decode-step compile and capture")
+    run = GraphedGeneration(model, batch, label)
     tokens = torch.empty(batch, NEW_TOKENS + 1, dtype=torch.long, device="cuda")
-    model.setup_cache(batch)  # zeroed in place: the captured addresses stay valid
+    run.restart()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    prefill_graph.replay()
+    run.prefill_graph.replay()
     torch.cuda.synchronize()
     ttft = time.perf_counter() - start
-    tokens[:, 0:1].copy_(token)
+    tokens[:, 0:1].copy_(run.token)
     start = time.perf_counter()
     for i in range(1, NEW_TOKENS + 1):
-        decode_graph.replay()
-        tokens[:, i:i + 1].copy_(token)
+        run.decode_graph.replay()
+        tokens[:, i:i + 1].copy_(run.token)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"tokens_per_s": batch * NEW_TOKENS / seconds, "ttft_ms": ttft * 1e3,
             "first_tokens": tokens[0, :8].tolist(),
-            "matches_eager": int((tokens[:, :2] == eager_tokens).sum()) / eager_tokens.numel()}
+            "matches_eager": int((tokens[:, :2] == run.eager_tokens).sum()) / run.eager_tokens.numel()}
+
+
+def compiled_models(methods: List[str]) -> Dict[str, torch.nn.Module]:
+    """The Llama-3-8B-shaped decoder per method (one seeded bf16 model, quantized copies),
+    each compiled region by region."""
+    # A graph per (method, batch, prefill or decode) for each region's code: above dynamo's
+    # default limits, later measurements would silently run eager.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    base = build_decoder(LLAMA3_8B, seed=0, device="cuda")
+    models = {}
+    for method in methods:
+        start = time.perf_counter()
+        models[method] = base if method == "bf16" else quantized(base, method)
+        print(f"# {method}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
+    for model in models.values():  # after every copy of the base model is made
+        compile_regions(model)
+    return models
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -161,18 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    # A graph per (method, batch, prefill or decode) for each region's code: above dynamo's
-    # default limits, later measurements would silently run eager.
-    torch._dynamo.config.recompile_limit = 1024
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    base = build_decoder(LLAMA3_8B, seed=0, device="cuda")
-    models = {}
-    for method in args.methods.split(","):
-        start = time.perf_counter()
-        models[method] = base if method == "bf16" else quantized(base, method)
-        print(f"# {method}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
-    for model in models.values():  # after every copy of the base model is made
-        compile_regions(model)
+    models = compiled_models(args.methods.split(","))
     rows = []
     # Batch by batch, every method in turn: a run cut short still compares the methods.
     for batch in batches:

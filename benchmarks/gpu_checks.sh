@@ -5,9 +5,10 @@
 # saturates every CPU core), gemm (kernel benchmark), sweep (config sweep of SWEEP_FAMILY, once
 # per source tree in SWEEP_TREES: folders holding a coalesced_int4 package, e.g. a branch's copy,
 # to A/B kernel variants; default this checkout), profile (Nsight Compute counters of tuned
-# launches), autotune (cold and warm tuning benchmark), decode (decode benchmark).
+# launches), autotune (cold and warm tuning benchmark), decode (decode benchmark),
+# decode-profile (a compiled decode step's time per kernel kind, benchmarks/profile_decode.py).
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -70,6 +71,10 @@ for step in $steps; do
       timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py ${AUTOTUNE_BUCKETS:+--buckets $AUTOTUNE_BUCKETS} --json "$out/autotune.json" \
         > "$out/autotune.log" 2>&1
       grep -E "^\||^#" "$out/autotune.log" | tail -10 ;;
+    decode-profile)
+      timeout "${DECODE_PROFILE_S:-300}" python benchmarks/profile_decode.py --methods "${DECODE_METHODS:-ours,bf16}" \
+        --batch "${BATCH:-1}" > "$out/decode-profile.log" 2>&1
+      grep -E "^\||^#|failed|Error" "$out/decode-profile.log" | tail -60 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --batches "${BATCHES:-1,4,16}" \
         --json "$out/decode.json" > "$out/decode.log" 2>&1

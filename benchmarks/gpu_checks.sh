@@ -3,8 +3,9 @@
 # and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files; TEST_WORKERS=n
 # spreads them over n pytest-xdist processes), picks (the compile-time pick test, alone: it
 # saturates every CPU core), gemm (kernel benchmark), sweep (config sweep of SWEEP_FAMILY, once
-# per source tree in SWEEP_TREES: folders holding a coalesced_int4 package, e.g. a branch's copy,
-# to A/B kernel variants; default this checkout), profile (Nsight Compute counters of tuned
+# per source tree in SWEEP_TREES: folders holding a coalesced_int4 package and benchmarks/, e.g.
+# `git archive BRANCH coalesced_int4 benchmarks`, to A/B kernel variants; default this checkout;
+# logs sweep-FAMILY-FOLDER), profile (Nsight Compute counters of tuned
 # launches), autotune (cold and warm tuning benchmark), decode (decode benchmark),
 # decode-profile (a compiled decode step's time per kernel kind, benchmarks/profile_decode.py).
 # Default: tests then gemm.
@@ -44,14 +45,16 @@ for step in $steps; do
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
     sweep)
       for tree in ${SWEEP_TREES:-.}; do
-        tree=$(cd "$tree" && pwd); label=$(basename "$tree")
-        # The tree's package first on the path; its own empty pick cache, so that no pick of
+        tree=$(cd "$tree" && pwd); label=$(basename "$tree"); log=$out/sweep-${SWEEP_FAMILY:-w4a16}-$label
+        # The tree's package first on the path and its own sweep script where it has one (its
+        # grid names its kernels' parameters); its own empty pick cache, so that no pick of
         # another tree or of an earlier call on this machine is restored.
+        sweep=$tree/benchmarks/sweep_configs.py; [ -f "$sweep" ] || sweep=benchmarks/sweep_configs.py
         COALESCED_INT4_CACHE_DIR=$(mktemp -d) PYTHONPATH=$tree:$PYTHONPATH timeout "${SWEEP_S:-150}" \
-          python benchmarks/sweep_configs.py --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
+          python "$sweep" --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
           --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
-          --json "$out/sweep-$label.json" > "$out/sweep-$label.log" 2>&1
-        grep -E "^\||^#" "$out/sweep-$label.log" | cut -c1-330 | tail -16
+          --json "$log.json" > "$log.log" 2>&1
+        grep -E "^\||^#" "$log.log" | cut -c1-330 | tail -16
       done ;;
     profile)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

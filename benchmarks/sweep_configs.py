@@ -30,10 +30,13 @@ from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDID
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
     # row's activation quantization among more weights: 6.6-9.0 instructions per weight at
-    # bucket 4 against 10.5 for the shipped (16, 32, 4) (benchmarks/sass_w4a8.py), fewer warps.
+    # bucket 4 against 10.5 for the shipped (16, 32, 4) (benchmarks/sass_w4a8.py), fewer warps;
+    # the deep ones (GROUPS 64 with 8 warps) put twice the bytes of a trip in flight, for the
+    # small-N, long-K shapes where M = 1 has two programs per SM (4096x14336: 52 % of floor).
     "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s, PREFETCH=p)
              for n, g, w in ((4, 32, 2), (8, 16, 2), (8, 32, 4), (8, 64, 4), (16, 16, 4), (16, 32, 4),
-                             (16, 32, 8), (32, 16, 4), (32, 32, 8), (64, 16, 4), (64, 16, 8), (128, 8, 8))
+                             (16, 32, 8), (32, 16, 4), (32, 32, 8), (64, 16, 4), (64, 16, 8), (128, 8, 8),
+                             (16, 64, 8), (32, 64, 8))
              for s in (1, 2) for p in (False, True)],
     # BLOCK_N x warps x stages
     "w4a16": [dict(BLOCK_N=n, num_warps=w, STAGES=s)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from coalesced_int4.kernels import SUPPORTED_BUCKETS, autotune_launch_params, launch
+from coalesced_int4.kernels import BUCKET_KERNELS, SUPPORTED_BUCKETS, autotune_launch_params, launch
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -102,6 +102,12 @@ def tuned_split(bucket, x, weights) -> int:
     return stats.choices[-1]
 
 
+def last_config(bucket) -> str:
+    """The tile config of the bucket's last launch, e.g. ``BLOCK_N=16 GROUPS=32 ... warps=4``."""
+    config = BUCKET_KERNELS[bucket].best_config
+    return " ".join(f"{key}={value}" for key, value in config.kwargs.items()) + f" warps={config.num_warps}"
+
+
 def bench_ours(n, k, ms, results):
     copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
     for m in ms:
@@ -109,7 +115,7 @@ def bench_ours(n, k, ms, results):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         split = tuned_split(bucket, x, copies[0])
         us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split) for w in copies])
-        results[(n, k, m)].update(ours_us=us, split_k=split, bucket=bucket)
+        results[(n, k, m)].update(ours_us=us, split_k=split, config=last_config(bucket), bucket=bucket)
     del copies
 
 

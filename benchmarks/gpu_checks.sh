@@ -54,7 +54,7 @@ for step in $steps; do
           python "$sweep" --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
           --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
           --json "$log.json" > "$log.log" 2>&1
-        grep -E "^\||^#" "$log.log" | cut -c1-330 | tail -16
+        grep -E "^\||^#" "$log.log" | cut -c1-440 | tail -16
       done ;;
     profile)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

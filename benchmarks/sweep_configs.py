@@ -22,7 +22,7 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, copies_for, random_int4_weights, time_calls, tuned_split, INT4_BYTES_PER_WEIGHT  # noqa: I001
+from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, time_calls, tuned_split, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
 from coalesced_int4.kernels import check_split_k, launch
 from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, int4_config
@@ -106,11 +106,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 times.append({"us": us, "split": split, **entry})
             pick_split = tuned_split(bucket, x, copies[0])
             pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=pick_split) for w in copies])
+            pick_config = last_config(bucket)
             times.sort(key=lambda t: t["us"])
-            rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split, "times": times})
+            rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split,
+                         "pick_config": pick_config, "times": times})
             best = ", ".join(f"{t['us']:.1f} us " + " ".join(f"{key}={v}" for key, v in t.items() if key != "us")
                              for t in times[:args.top])
-            print(f"| {args.label} | {n}x{k} | {m} | shipped pick {pick_us:.1f} us (split {pick_split}) | "
+            print(f"| {args.label} | {n}x{k} | {m} | shipped pick {pick_us:.1f} us (split {pick_split}, {pick_config}) | "
                   f"best: {best} |", flush=True)
         del copies
         torch.cuda.empty_cache()

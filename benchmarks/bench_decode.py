@@ -106,7 +106,8 @@ def capture(step) -> torch.cuda.CUDAGraph:
 
 class GraphedGeneration:
     """Greedy generation for ``batch`` sequences of a seeded prompt: ``prefill`` and
-    ``decode`` are the step functions (compiled regions and the eager ops between them),
+    ``decode`` are the step functions (compiled regions and the eager ops between them, under
+    ``no_grad``),
     ``prefill_graph`` and ``decode_graph`` their CUDA graphs. ``token`` holds each sequence's
     last token, ``position`` its position: every decode replay advances both.
 
@@ -123,7 +124,7 @@ class GraphedGeneration:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
         self.position = torch.zeros(1, dtype=torch.long, device="cuda")
         phase = Phases(f"{label} batch {batch}")
-        with torch.no_grad(), autotune_launch_params():
+        with autotune_launch_params():
             with torch.compiler.set_stance("force_eager"):
                 self.eager_tokens, _ = generate(model, self.prompt, 2)
             phase.done("eager warm-up and tuning")
@@ -133,11 +134,13 @@ class GraphedGeneration:
             self.decode_graph = capture(self.decode)
             phase.done("decode-step compile and capture")
 
+    @torch.no_grad()
     def prefill(self) -> None:
         logits = self.model(self.prompt, self.prompt_positions)[:, -1]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.fill_(PROMPT)
 
+    @torch.no_grad()
     def decode(self) -> None:
         self.token.copy_(self.model(self.token, self.position)[:, -1].argmax(-1, keepdim=True))
         self.position.add_(1)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
-# and logged under $OUT (or ./gpu-logs). Steps: tests (the GPU test files; TEST_WORKERS=n
-# spreads them over n pytest-xdist processes), picks (the compile-time pick test, alone: it
-# saturates every CPU core), gemm (kernel benchmark), sweep (config sweep of SWEEP_FAMILY, once
-# per source tree in SWEEP_TREES: folders holding a coalesced_int4 package and benchmarks/, e.g.
-# `git archive BRANCH coalesced_int4 benchmarks`, to A/B kernel variants; default this checkout;
-# logs sweep-FAMILY-FOLDER), profile (Nsight Compute counters of tuned
-# launches), autotune (cold and warm tuning benchmark), decode (decode benchmark),
-# decode-profile (a compiled decode step's time per kernel kind, benchmarks/profile_decode.py).
+# and logged under $OUT (or ./gpu-logs). Steps:
+#   tests           the GPU test files (TEST_WORKERS=n: over n pytest-xdist processes)
+#   picks           the compile-time pick test, alone (it saturates every CPU core)
+#   gemm            kernel benchmark
+#   sweep           config sweep of SWEEP_FAMILY once per source tree in SWEEP_TREES (folders
+#                   holding coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH
+#                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
+#   profile         Nsight Compute counters of tuned launches
+#   autotune        cold and warm tuning benchmark
+#   decode          decode benchmark
+#   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
 #   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile]
 set -u

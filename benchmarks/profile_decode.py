@@ -56,13 +56,12 @@ def kernel_us(run: GraphedGeneration, steps: int) -> Dict[str, List[float]]:
     """Per kernel name: [device microseconds per step, launches per step]."""
     run.restart()
     run.prefill_graph.replay()
-    with torch.no_grad():
-        run.decode()  # outside the profile: nothing left to compile or tune
+    run.decode()  # outside the profile: nothing left to compile or tune
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.decode()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                run.decode()
-            torch.cuda.synchronize()
     totals: Dict[str, List[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

@@ -17,9 +17,9 @@ import sys
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, random_int4_weights, tuned_split  # this script's folder is on sys.path
+from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_split  # this script's folder is on sys.path
 
-from coalesced_int4.kernels import BUCKET_KERNELS, launch
+from coalesced_int4.kernels import launch
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.cuda.nvtx.range_pop()
             torch.cuda.synchronize()
             print(f"# profile {n}x{k} M={m}: bucket {bucket}, split {split}, "
-                  f"config {BUCKET_KERNELS[bucket].best_config}", flush=True)
+                  f"config {last_config(bucket)}", flush=True)
     return 0
 
 

@@ -38,9 +38,10 @@ GRIDS = {
                              (16, 32, 8), (32, 16, 4), (32, 32, 8), (64, 16, 4), (64, 16, 8), (128, 8, 8),
                              (16, 64, 8), (32, 64, 8))
              for s in (1, 2) for p in (False, True)],
-    # BLOCK_N x warps x stages
-    "w4a16": [dict(BLOCK_N=n, num_warps=w, STAGES=s)
-              for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)) for s in (2, 3)],
+    # BLOCK_N x BLOCK_K x warps x stages
+    "w4a16": [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, STAGES=s)
+              for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)) for k in (128, 256)
+              for s in (2, 3)],
 }
 
 

@@ -183,8 +183,9 @@ def test_w4a8_config_space():
 def test_w4a16_config_space():
     for bucket in (8, 16, 32, 64):
         configs = int4_autotune_configs(bucket)
-        seen = {(c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"], c.num_stages) for c in configs}
-        assert seen == {(n, w, s, s) for n, w in W4A16_TILES for s in W4A16_STAGES}
+        seen = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["STAGES"], c.num_stages)
+                for c in configs}
+        assert seen == {(n, k, w, s, s) for n, k, w in W4A16_TILES for s in W4A16_STAGES}
         assert len(configs) == len(W4A16_TILES) * len(W4A16_STAGES)
     with pytest.raises(ValueError, match="no autotune space for bucket 5"):
         int4_autotune_configs(5)
@@ -192,17 +193,17 @@ def test_w4a16_config_space():
 
 @pytest.mark.parametrize(
     "bucket, k, split, max_stages",
-    [(4, 256, 1, 1), (4, 8192, 1, 2), (4, 8192, 16, 1), (8, 512, 1, 2), (8, 1024, 2, 2), (8, 6656, 1, 3),
-     (64, 6656, 8, 3), (64, 6656, 16, 2)],
+    [(4, 256, 1, 1), (4, 8192, 1, 2), (4, 8192, 16, 1), (8, 256, 1, 2), (8, 512, 1, 3), (8, 1024, 4, 2),
+     (8, 6656, 1, 3), (64, 6656, 8, 3), (64, 6656, 26, 2)],
 )
 def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_stages):
     configs = int4_autotune_configs(bucket)
     kept = prune_int4_configs(configs, {"K": k}, split_k=split)
     assert max(c.kwargs["STAGES"] for c in kept) == max_stages
-    # Kept iff its stages fit its own trips: ceil(super-blocks per split / (GROUPS / 8)).
+    # Kept iff its stages fit its own trips: ceil(groups of 32 per split / groups per trip).
     def trips(c):
-        per_split = -(-(k // 256) // split)
-        return max(1, -(-per_split // max(1, c.kwargs.get("GROUPS", 8) // 8)))
+        per_split = -(-(k // 256) // split) * 8
+        return max(1, -(-per_split // (c.kwargs.get("GROUPS") or c.kwargs["BLOCK_K"] // 32)))
 
     assert kept == [c for c in configs if c.kwargs["STAGES"] <= trips(c)]
 

@@ -101,10 +101,12 @@ H200 at M = 1 and 4 (docs/benchmarks.md); kept small because each config costs s
 compile per bucket on a cold start."""
 W4A8_STAGES = (1, 2)
 W4A8_PREFETCH = (False, True)
-W4A16_TILES = ((64, 4), (128, 8))
-"""(BLOCK_N, num_warps): one warp group per 64 weight rows (the tensor-core instruction's M).
-The tiles that placed in a sweep of six on the H200 at M = 8, 16 and 64 (docs/benchmarks.md);
-BLOCK_N 128 with 4 warps never did."""
+W4A16_TILES = ((64, 256, 4), (128, 256, 8), (64, 128, 4))
+"""(BLOCK_N, BLOCK_K, num_warps): one warp group per 64 weight rows (the tensor-core
+instruction's M). (64, 4) and (128, 8) with whole super-blocks are the tiles that placed in a
+sweep of six on the H200 at M = 8, 16 and 64 (docs/benchmarks.md); the half-super-block tile
+halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8448x6656
+(28.4 and 34.6 us against 32.2 and 40.8)."""
 W4A16_STAGES = (2, 3)
 
 
@@ -128,19 +130,19 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
         ]
     if bucket in W4A16_BUCKETS:
         return [
-            int4_config(w, BLOCK_N=n, STAGES=s)
-            for n, w in W4A16_TILES
+            int4_config(w, BLOCK_N=n, BLOCK_K=k, STAGES=s)
+            for n, k, w in W4A16_TILES
             for s in W4A16_STAGES
         ]
     raise ValueError(f"no autotune space for bucket {bucket}; buckets are {SUPPORTED_BUCKETS}")
 
 
 def main_loop_trips(config: triton.Config, k: int, split_k: int) -> int:
-    """Trips of a program's K loop in the largest split: its super-blocks in steps of the
-    config's GROUPS / 8 super-blocks (W4A8) or one super-block (W4A16)."""
-    super_blocks = -(-(k // SUPER_BLOCK) // split_k)
-    per_trip = max(1, config.kwargs.get("GROUPS", 8) // 8)
-    return max(1, -(-super_blocks // per_trip))
+    """Trips of a program's K loop in the largest split: its groups of 32 in steps of the
+    config's GROUPS (W4A8) or BLOCK_K / 32 (W4A16)."""
+    groups = -(-(k // SUPER_BLOCK) // split_k) * (SUPER_BLOCK // GROUP_SIZE)
+    per_trip = config.kwargs.get("GROUPS") or config.kwargs.get("BLOCK_K", SUPER_BLOCK) // GROUP_SIZE
+    return max(1, -(-groups // per_trip))
 
 
 def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwargs) -> list:

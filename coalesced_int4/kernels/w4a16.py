@@ -50,6 +50,7 @@ def _w4a16_kernel(
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -57,11 +58,14 @@ def _w4a16_kernel(
     Row strides of the codes (qn, bytes), scale/zero codes (cn) and steps (sn) are passed
     apart from K so that Triton's divisibility specialization proves their alignment.
 
-    BLOCK_N: weight rows per program. STAGES: software-pipelining depth over super-blocks.
-    INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
-    interpreter computes bf16 math on raw bits. PARTIAL: write fp32
+    BLOCK_N: weight rows per program. BLOCK_K: weights of K per main-loop trip, a super-block
+    (256) or half of one (128: half the shared memory per pipeline stage and half the decoded
+    tile's registers, for more programs per SM at large buckets). STAGES: software-pipelining
+    depth over trips. INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these
+    values), since the interpreter computes bf16 math on raw bits. PARTIAL: write fp32
     partials [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
     """
+    TRIPS_PER_SB: tl.constexpr = 256 // BLOCK_K
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,32 +73,34 @@ def _w4a16_kernel(
     rows = tl.where(n_mask, offs_n, 0)
     offs_m = tl.arange(0, BUCKET)
     m_mask = offs_m < M
-    code_bytes = tl.arange(0, 128)
-    columns = tl.arange(0, 256)
-    groups = tl.arange(0, 8)
+    code_bytes = tl.arange(0, BLOCK_K // 2)
+    columns = tl.arange(0, BLOCK_K)
+    groups = tl.arange(0, BLOCK_K // 32)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
+    first_trip = first_sb * TRIPS_PER_SB
+    last_sb = first_sb + sb_count - 1
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
     # The fp16 steps (one per row and super-block) are too narrow for the pipeliner's async
-    # copies, so they are prefetched by hand: the next super-block's are requested before
-    # this one's arithmetic instead of stalling every trip on a global load.
-    last_sb = first_sb + sb_count - 1
+    # copies, so they are prefetched by hand: the next trip's are requested before this
+    # trip's arithmetic instead of stalling every trip on a global load.
     scale_step = tl.load(ss_ptr + rows * stride_sn + first_sb)
     zero_step = tl.load(zs_ptr + rows * stride_sn + first_sb)
-    for sb in tl.range(first_sb, first_sb + sb_count, num_stages=STAGES):
-        packed = tl.load(q_ptr + rows[:, None] * stride_qn + sb * 128 + code_bytes[None, :])
-        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, 256])
-        meta = rows[:, None] * stride_cn + sb * 8 + groups[None, :]
+    for trip in tl.range(first_trip, first_trip + sb_count * TRIPS_PER_SB, num_stages=STAGES):
+        k0 = trip * BLOCK_K
+        packed = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 2 + code_bytes[None, :])
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
+        meta = rows[:, None] * stride_cn + k0 // 32 + groups[None, :]
         scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
                               to_bf16(scale_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
         zero = _bf16_product(tl.load(zc_ptr + meta).to(tl.float32).to(tl.bfloat16),
                              to_bf16(zero_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
-        next_step = rows * stride_sn + tl.minimum(sb + 1, last_sb)
+        next_step = rows * stride_sn + tl.minimum((trip + 1) // TRIPS_PER_SB, last_sb)
         scale_step = tl.load(ss_ptr + next_step)
         zero_step = tl.load(zs_ptr + next_step)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
-        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, 8, 32]), [BLOCK_N, 256])
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
         w = _bf16_chain(q, zero, scale, INTERPRET)
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + sb * 256 + columns[None, :],
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + columns[None, :],
                     mask=m_mask[:, None], other=0.0)
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))

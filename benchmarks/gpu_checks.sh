@@ -4,7 +4,8 @@
 #   tests           the GPU test files (TEST_WORKERS=n: over n pytest-xdist processes)
 #   picks           the compile-time pick test, alone (it saturates every CPU core)
 #   gemm            kernel benchmark
-#   sweep           config sweep of SWEEP_FAMILY once per source tree in SWEEP_TREES (folders
+#   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS: split-K values, default the
+#                   family's up to 8) once per source tree in SWEEP_TREES (folders
 #                   holding coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH
 #                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
 #   profile         Nsight Compute counters of tuned launches
@@ -56,7 +57,7 @@ for step in $steps; do
         COALESCED_INT4_CACHE_DIR=$(mktemp -d) PYTHONPATH=$tree:$PYTHONPATH timeout "${SWEEP_S:-150}" \
           python "$sweep" --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
           --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
-          --json "$log.json" > "$log.log" 2>&1
+          ${SWEEP_SPLITS:+--splits $SWEEP_SPLITS} --json "$log.json" > "$log.log" 2>&1
         grep -E "^\||^#" "$log.log" | cut -c1-440 | tail -16
       done ;;
     profile)
@@ -82,8 +83,8 @@ for step in $steps; do
         --batch "${BATCH:-1}" > "$out/decode-profile.log" 2>&1
       grep -E "^\||^#|failed|Error" "$out/decode-profile.log" | tail -60 ;;
     decode)
-      timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --batches "${BATCHES:-1,4,16}" \
-        --json "$out/decode.json" > "$out/decode.log" 2>&1
+      timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
+        --batches "${BATCHES:-1,4,16}" --json "$out/decode.json" > "$out/decode.log" 2>&1
       grep -E "^\||^#|tok/s|failed|Error" "$out/decode.log" | tail -30 ;;
   esac
 done

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
+from coalesced_int4.kernels import InvalidLaunchParam, family, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.rules import int4_config
 from coalesced_int4.kernels.split_k import split_bounds
 from coalesced_int4.kernels.w4a8 import _quantize_groups
@@ -40,12 +40,12 @@ def _reference_activation_quantization(x):
 
 
 @triton.jit
-def _quantize_groups_probe(x_ptr, words_ptr, scale_ptr, sum_ptr, K: tl.constexpr):
+def _quantize_groups_probe(x_ptr, words_ptr, scale_ptr, sum_ptr, K: tl.constexpr, INTERPRET: tl.constexpr):
     """One row of K activations through the W4A8 kernel's quantizer; per group g the even
     words go to 8g..8g+3 and the odd ones to 8g+4..8g+7."""
     row = tl.program_id(0)
     v = tl.load(x_ptr + row * K + tl.arange(0, K)).to(tl.float32)
-    even, odd, scale, sums = _quantize_groups(tl.reshape(v, [K // 32, 32]))
+    even, odd, scale, sums = _quantize_groups(tl.reshape(v, [K // 32, 32]), INTERPRET)
     words = tl.reshape(tl.join(even, odd), [K // 32, 4, 2])  # [group, word, parity]
     words = tl.reshape(tl.permute(words, (0, 2, 1)), [K // 4])
     tl.store(words_ptr + row * (K // 4) + tl.arange(0, K // 4), words)
@@ -58,7 +58,7 @@ def _quantize_activations(x):
     words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
     scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
-    _quantize_groups_probe[(m,)](x, words, scale, sums, K=k)
+    _quantize_groups_probe[(m,)](x, words, scale, sums, K=k, INTERPRET=family.INTERPRETER)
     return words, scale, sums
 
 
@@ -72,6 +72,27 @@ def test_activation_quantization_per_32_in_even_odd_byte_order():
     mismatched = (words.cpu() != ref_words).float().mean().item()
     assert mismatched == 0 if DEVICE == "cpu" else mismatched < 1e-3
     assert (sums.cpu() - ref_sums).abs().max().item() <= (0 if DEVICE == "cpu" else 1)
+
+
+def _signed_bytes(words):
+    """[..., W] int32 words -> [..., 4 W] their signed bytes, low byte first."""
+    return torch.stack([(words << (24 - 8 * i)) >> 24 for i in range(4)], dim=-1).flatten(-2)
+
+
+def test_activation_quantization_of_a_denormal_block_stays_in_range():
+    # amax 1e-37: 1 / scale overflows fp32, so the reference's v * inf is undefined (and 0 *
+    # inf is NaN); the kernel cuts the inverse and still maps 0 to 0, signs to signs, |q| <= 127.
+    x = _x(1, 256, seed=5)
+    x[0, :32] = torch.linspace(-1e-37, 1e-37, 32).to(torch.bfloat16)
+    x[0, 7] = 0
+    words, scale, sums = _quantize_activations(x)
+    order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
+    q = torch.empty(32, dtype=torch.int32)
+    q[order] = _signed_bytes(words.cpu()[0, :8])
+    v = x[0, :32].float().cpu()
+    assert q.abs().max().item() <= 127 and q[7].item() == 0
+    assert (torch.sign(q) * torch.sign(v) >= 0).all() and q.abs().max().item() > 0
+    assert sums[0, 0].item() == q.sum().item()
 
 
 @pytest.mark.parametrize("bucket", [1, 2, 3, 4])

@@ -27,11 +27,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 
-_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to even
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + M rounds |y| < 2**22 to even
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # the bits of M: bits(y + M) - bits(M) = round(y)
+_INVERSE_LIMIT = tl.constexpr(2.0**126)  # 1 / scale of a group of denormals overflows
 
 
 @triton.jit
@@ -52,17 +55,33 @@ def _dp4a(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quantize_groups(v):
+def _product_rn(a, b, INTERPRET: tl.constexpr):
+    """a * b rounded to fp32 on its own: a ``mul.rn`` that ptxas may not fuse with the add
+    that follows into one FMA, which would round the exact product to an integer instead of
+    rounding the fp32 product (the reference's ``round(v * inv)``)."""
+    if INTERPRET:  # no libdevice there; numpy rounds every product
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
+
+
+@triton.jit
+def _quantize_groups(v, INTERPRET: tl.constexpr):
     """[G, 32] fp32 activations -> int8 per group of 32: (even-k words [G, 4], odd-k words
     [G, 4], fp32 scales [G], int32 sums [G]). scale = amax / 127 and
-    q = clamp(round_half_even(v / scale), -127, 127). Word j of a group holds the bytes of
+    q = clamp(round_half_even(v * (1 / scale)), -127, 127), except in a group of denormals
+    (amax < 127 * 2**-126), whose 1 / scale overflows: there the inverse is cut to 2**126
+    (the reference's v * inf is undefined). Word j of a group holds the bytes of
     k = 8j, 8j + 2, 8j + 4, 8j + 6 (even) or k = 8j + 1, ... (odd), lining up with the low and
     high nibbles of the group's weight word j."""
     amax = tl.max(tl.abs(v), axis=1)
     scale = amax / 127.0
-    inverse = tl.where(amax > 0, 1.0 / scale, 0.0)
-    y = tl.minimum(tl.maximum(v * inverse[:, None], -127.0), 127.0)
-    q = ((y + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int32)
+    inverse = tl.where(amax > 0, tl.minimum(1.0 / scale, _INVERSE_LIMIT), 0.0)
+    # |v * inverse| <= 127 * (1 + 2 ulp) < 127.5 whenever 1 / scale is below the limit, and
+    # < 127 when it is cut to it (amax < 127 / limit): the clamp to [-127, 127] never acts, so
+    # none is done. Adding the magic rounds half to even and leaves q + 0x4B400000 in the bits.
+    y = _product_rn(v, inverse[:, None], INTERPRET)
+    q = (y + _ROUND_MAGIC).to(tl.int32, bitcast=True) - _MAGIC_BITS
     # k = 8 word + 2 byte + parity: [G, 32] -> [G, word, byte, parity]; bytes are disjoint,
     # so their shifted sum is their concatenation.
     parts = tl.reshape(q & 0xFF, [v.shape[0], 4, 4, 2])
@@ -81,7 +100,7 @@ def _w4a8_row(
     a decode GEMM is one kernel; groups past the split read zeros and contribute nothing."""
     k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
     v = tl.load(x_ptr + row * stride_xm + k, mask=group_mask[:, None], other=0.0)
-    even, odd, xs, asum = _quantize_groups(v.to(tl.float32))
+    even, odd, xs, asum = _quantize_groups(v.to(tl.float32), INTERPRET)
     dot_even = _dp4a(w_low, tl.reshape(even, [4 * GROUPS])[None, :], INTERPRET)
     dot_odd16 = _dp4a(w_high, tl.reshape(odd, [4 * GROUPS])[None, :], INTERPRET)  # x16: exact
     even_sum = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)

@@ -1,7 +1,8 @@
 """Offline SASS census of the W4A8 kernel: compiles ``_w4a8_kernel`` for sm_90 without a GPU
 (Triton's bundled ptxas, the divisibility attributes a launch specializes on) and prints the
-registers per thread and the most frequent instruction classes of one config, so a change's
-instruction and occupancy cost can be read before any device time is spent.
+registers per thread, the most frequent instruction classes and the main loop's length per
+weight of one config, so a change's instruction and occupancy cost can be read before any
+device time is spent.
 
     python benchmarks/sass_w4a8.py --bucket 4 --block-n 16 --groups 32 --warps 4 [--prefetch]
 """
@@ -68,7 +69,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{vars(args)}: {registers} registers/thread -> at most {programs_per_sm} programs "
           f"({programs_per_sm * args.warps} warps) per SM by registers; {sum(opcodes.values())} instructions")
     print(", ".join(f"{op} {count}" for op, count in opcodes.most_common(args.top)))
+    loop = main_loop(body)
+    per_thread = args.block_n * args.groups * 32 / threads
+    print(f"main loop: {len(loop)} instructions a trip for {per_thread:.0f} weights a thread "
+          f"({len(loop) / per_thread:.2f} per weight)")
     return 0
+
+
+def main_loop(body: List[str]) -> List[str]:
+    """The instructions between the longest backward branch and its target: the K loop."""
+    def address(line: str) -> int:
+        return int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
+
+    spans = [(int(m.group(1), 16), address(line)) for line in body
+             if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    return [line for line in body if first <= address(line) <= last]
 
 
 if __name__ == "__main__":

@@ -197,11 +197,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     models = compiled_models(args.methods.split(","))
+    sizes = {method: weight_bytes(model) for method, model in models.items()}
     rows = []
     # Batch by batch, every method in turn: a run cut short still compares the methods.
     for batch in batches:
         for method, model in models.items():
-            size = weight_bytes(model)
+            size = sizes[method]
             try:
                 result = measure(model, batch, method)
             except Exception as error:  # the other methods' measurements still count

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -60,9 +60,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         cubin.flush()
         sass = cuobjdump("-sass", cubin.name)
         registers = int(re.search(r"REG:(\d+)", cuobjdump("-res-usage", cubin.name)).group(1))
-    body = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
-    opcodes = Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
-                      for line in body)
+    # (address, instruction without its predicate): "/*0ce0*/  @P0 BRA 0x32a0 ;" -> (0xce0, "BRA 0x32a0 ;")
+    body = [(int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s*(?:@!?U?P\w+\s+)?(.*)$", sass, re.MULTILINE)]
+    opcodes = Counter(text.split()[0].rstrip(";").split(".")[0] for _, text in body)
     threads = 32 * args.warps
     allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread
     programs_per_sm = min(65536 // (threads * allocated), 2048 // threads)
@@ -76,15 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def main_loop(body: List[str]) -> List[str]:
-    """The instructions between the longest backward branch and its target: the K loop."""
-    def address(line: str) -> int:
-        return int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16)
-
-    spans = [(int(m.group(1), 16), address(line)) for line in body
-             if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m.group(1), 16) < address(line)]
+def main_loop(body: List[Tuple[int, str]]) -> List[Tuple[int, str]]:
+    """The instructions from the longest backward branch's target to the branch: the K loop."""
+    spans = [(int(m.group(1), 16), address) for address, text in body
+             if (m := re.match(r"BRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < address]
     first, last = max(spans, key=lambda span: span[1] - span[0])
-    return [line for line in body if first <= address(line) <= last]
+    return [(address, text) for address, text in body if first <= address <= last]
 
 
 if __name__ == "__main__":

@@ -38,10 +38,10 @@ _INVERSE_LIMIT = tl.constexpr(2.0**126)  # 1 / scale of a group of denormals ove
 
 
 @triton.jit
-def _dp4a(a, b, INTERPRET: tl.constexpr):
-    """sum over 4 bytes of unsigned(a_byte) * signed(b_byte), int32, elementwise."""
+def _dp4a(a, b, c, INTERPRET: tl.constexpr):
+    """c + sum over 4 bytes of unsigned(a_byte) * signed(b_byte), int32, elementwise."""
     if INTERPRET:  # no inline asm there: the same sum, one byte at a time
-        total = tl.zeros_like(a + b)
+        total = c
         for byte in tl.static_range(4):
             ua = (a >> (8 * byte)) & 0xFF
             sb = (b << (24 - 8 * byte)) >> 24
@@ -49,9 +49,38 @@ def _dp4a(a, b, INTERPRET: tl.constexpr):
         return total
     else:
         return tl.inline_asm_elementwise(
-            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
             dtype=tl.int32, is_pure=True, pack=1,
         )
+
+
+@triton.jit
+def _group_words(words, GROUPS: tl.constexpr):
+    """[R, 4 * GROUPS] int32 -> four [R, GROUPS]: words 0, 2, 1 and 3 of each group. A group's
+    words sit in one thread's registers, so this moves no data."""
+    low, high = tl.split(tl.reshape(words, [words.shape[0], GROUPS, 2, 2]))
+    w0, w2 = tl.split(low)
+    w1, w3 = tl.split(high)
+    return w0, w2, w1, w3
+
+
+@triton.jit
+def _in_dot_layout(per_group, GROUPS: tl.constexpr):
+    """[R, GROUPS] -> the same values as ``_group_words`` leaves the dot products: spread to
+    the four words of each group and split, so that the per-group data meets each row's dot
+    products where they are computed (moved once a trip, not once a row)."""
+    spread = tl.broadcast_to(per_group[:, :, None], [per_group.shape[0], GROUPS, 4])
+    return _group_words(tl.reshape(spread, [per_group.shape[0], 4 * GROUPS]), GROUPS)[0]
+
+
+@triton.jit
+def _dot4(w, x, total, INTERPRET: tl.constexpr):
+    """``total`` plus the dp4a of the four word pairs of ``w`` and ``x`` (``_group_words``
+    tuples), chained through dp4a's accumulator: no separate sum of the four products."""
+    total = _dp4a(w[0], x[0], total, INTERPRET)
+    total = _dp4a(w[1], x[1], total, INTERPRET)
+    total = _dp4a(w[2], x[2], total, INTERPRET)
+    return _dp4a(w[3], x[3], total, INTERPRET)
 
 
 @triton.jit
@@ -101,12 +130,17 @@ def _w4a8_row(
     k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
     v = tl.load(x_ptr + row * stride_xm + k, mask=group_mask[:, None], other=0.0)
     even, odd, xs, asum = _quantize_groups(v.to(tl.float32), INTERPRET)
-    dot_even = _dp4a(w_low, tl.reshape(even, [4 * GROUPS])[None, :], INTERPRET)
-    dot_odd16 = _dp4a(w_high, tl.reshape(odd, [4 * GROUPS])[None, :], INTERPRET)  # x16: exact
-    even_sum = tl.sum(tl.reshape(dot_even, [BLOCK_N, GROUPS, 4]), axis=2)
-    odd_sum16 = tl.sum(tl.reshape(dot_odd16, [BLOCK_N, GROUPS, 4]), axis=2)
-    dot = (even_sum + (odd_sum16 >> 4)).to(tl.float32)
-    return (dot - asum.to(tl.float32)[None, :] * wz) * (xs[None, :] * ws)
+    # Everything per group of the row is broadcast to the weights' layout in two exchanges
+    # (the int8 words; the sum and scale), then split like the weight words.
+    words = tl.broadcast_to(tl.reshape(tl.join(even, odd), [8 * GROUPS])[None, :], [BLOCK_N, 8 * GROUPS])
+    x_even, x_odd = tl.split(tl.reshape(words, [BLOCK_N, 4 * GROUPS, 2]))
+    per_group = tl.broadcast_to(tl.join(asum.to(tl.float32), xs)[None, :, :], [BLOCK_N, GROUPS, 2])
+    asum_f, xs = tl.split(per_group)
+    # High nibbles are read in place (x16), so their sum is exact in 16ths: shifted down
+    # before the low nibbles' products are chained onto it.
+    dot16 = _dot4(w_high, _group_words(x_odd, GROUPS), tl.zeros((BLOCK_N, GROUPS), tl.int32), INTERPRET)
+    dot = _dot4(w_low, _group_words(x_even, GROUPS), dot16 >> 4, INTERPRET).to(tl.float32)
+    return (dot - asum_f * wz) * (xs * ws)
 
 
 @triton.jit
@@ -181,10 +215,13 @@ def _w4a8_kernel(
                 g0, end_group, GROUPS)
         group_idx = g0 + lanes
         group_mask = group_idx < end_group
-        w_low = w & 0x0F0F0F0F
-        w_high = w & -252645136  # 0xF0F0F0F0
+        w_low = _group_words(w & 0x0F0F0F0F, GROUPS)
+        w_high = _group_words(w & -252645136, GROUPS)  # 0xF0F0F0F0
         ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)
         wz = zero_codes.to(tl.float32) * zero_steps.to(tl.float32)
+        if BUCKET > 1:  # moved once to serve every row; a single row's products move instead
+            ws = _in_dot_layout(ws, GROUPS)
+            wz = _in_dot_layout(wz, GROUPS)
         acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, stride_xm, group_idx,
                           group_mask, GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:

@@ -219,7 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("| method | batch | tokens/s | vs bf16 | TTFT ms | weight GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r.get('vs_bf16', float('nan')):.2f}x "
+        vs_bf16 = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"  # bf16 not run at this batch
+        print(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {vs_bf16} "
               f"| {r['ttft_ms']:.1f} | {r['weight_bytes'] / 2**30:.2f} |")
     if args.json:
         with open(args.json, "w") as handle:

@@ -371,7 +371,8 @@ def test_a_persistent_autotuner_stores_its_pick_and_a_new_one_restores_it(cache_
     configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
 
     def make(do_bench):
-        return tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None, do_bench=do_bench)(_increment_kernel)
+        return tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None, do_bench=do_bench,
+                                         name="increment")(_increment_kernel)
 
     first = make(lambda call, quantiles: [next(timings)] * len(quantiles))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -383,6 +384,35 @@ def test_a_persistent_autotuner_stores_its_pick_and_a_new_one_restores_it(cache_
     second[(triton.cdiv(300, 64),)](x, 300)
     assert second.cache[(300, "torch.float32")] == configs[1]
     assert torch.equal(x, torch.full((300,), 2.0, device=device))  # launched once per call
+
+
+def test_autotuners_of_one_kernel_keep_their_stored_picks_apart(cache_dir, monkeypatch):
+    """One autotuner per bucket wraps the same JIT function with the same key: a pick stored
+    by one must not be restored by another (their best configs differ)."""
+    monkeypatch.setattr(tuner, "_store_for", lambda name, args: PickStore(name, "test GPU"))
+    configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
+
+    def make(name, timings):
+        timings = iter(timings)
+        return tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None, name=name,
+                                         do_bench=lambda call, quantiles: [next(timings)] * len(quantiles),
+                                         )(_increment_kernel)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.zeros(300, device=device)
+    one_row, four_rows = make("gemm_m1", [2.0, 1.0]), make("gemm_m4", [1.0, 2.0])
+    one_row[(triton.cdiv(300, 64),)](x, 300)
+    four_rows[(triton.cdiv(300, 64),)](x, 300)
+    assert one_row.cache[(300, "torch.float32")] is configs[1]
+    assert four_rows.cache[(300, "torch.float32")] is configs[0]  # timed, not restored
+    assert make("gemm_m4", []).pick((300, "torch.float32"), [x]) == configs[0]  # its own, restored
+
+
+def test_every_bucket_stores_its_picks_under_its_own_name():
+    from coalesced_int4.kernels import BUCKET_KERNELS
+
+    names = [autotuner.name for autotuner in BUCKET_KERNELS.values()]
+    assert None not in names and len(set(names)) == len(BUCKET_KERNELS)
 
 
 # ---------------------------------------------------------------- one pool for every split candidate
@@ -431,7 +461,7 @@ def test_every_split_candidate_queues_its_compiles_in_one_pool_before_any_runs()
 def test_while_queuing_an_autotuner_submits_compiles_and_launches_nothing():
     configs = [triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})]
     autotuner = tuner.persistent_autotune(configs, key=["n"], prune_configs_by=None,
-                                          do_bench=mock.Mock())(_increment_kernel)
+                                          do_bench=mock.Mock(), name="increment")(_increment_kernel)
     autotuner.cache[(512, "torch.float32")] = configs[1]
     with mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
             mock.patch.object(tuner, "compile_pool", _recording_pool([])), \

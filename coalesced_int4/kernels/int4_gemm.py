@@ -4,7 +4,8 @@
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
 (``BUCKET_KERNELS[b]``, key N, K, split_k) over ``int4_autotune_configs(b)``, pruned by
-``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``).
+``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``;
+each bucket's under its own name).
 The split-K is a launch parameter: the first candidate (1) unless given, or timed per shape
 inside ``autotune_launch_params()``.
 """
@@ -46,6 +47,7 @@ def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
     return persistent_autotune(
         configs=configs, key=AUTOTUNE_KEY, do_bench=autotune_do_bench,
         prune_configs_by={"early_config_prune": prune_int4_configs},
+        name=f"int4_gemm_bucket{bucket}",
     )(_jit_kernel(bucket))
 
 

@@ -1,17 +1,20 @@
 """``PersistentAutotuner``: Triton's autotuner, with picks kept across processes, untuned
 shapes compiled in parallel, and tuned shapes traced with their pick alone.
 
-- Before tuning a key it looks the key up in the ``PickStore`` of its kernel and GPU
-  (``pick``); a stored pick still in its config space is installed as if it had just been
-  timed. After a key is tuned, the pick is stored.
+- Before tuning a key it looks the key up in its own ``PickStore`` (its ``name`` and the GPU;
+  ``pick``); a stored pick still in its config space is installed as if it had just been
+  timed. After a key is tuned, the pick is stored. The store is named per autotuner, not
+  per JIT function: autotuners of one kernel that differ in constexpr arguments outside the
+  key (one per bucket) have different best configs for the same key.
 - An untuned key on real tensors first compiles every pruned config at once on a thread pool
   through Triton's async compile (``precompile_untuned_configs``), since a cold start is
   compile-bound; only where CPython's ``ast`` is thread safe (3.11.8+ / 3.12.2+). A failing
   precompile is logged and the configs compile one by one as usual.
 - ``compile_every_candidate_at_once()`` widens that to a launch-parameter prepass: while it is
   open, launches only queue their compiles (untuned configs through ``PersistentAutotuner``,
-  fixed-config kernels such as the split-K reduction through ``launch_or_queue``) into one pool, which finishes them all on exit,
-  so every split candidate compiles in parallel before any is timed.
+  fixed-config kernels such as the split-K reduction through ``launch_or_queue``) into one
+  pool, which finishes them all on exit, so every split candidate compiles in parallel before
+  any is timed.
 - ``tuned_kernel`` hands tracing (torch.compile, AOTInductor) a single-config autotuner for a
   tuned key, one object per config around the same JIT function, so Inductor compiles only
   the pick and does not time again; an untuned key gets the full autotuner.
@@ -54,11 +57,16 @@ def tuning_key(autotuner: triton.runtime.Autotuner, args, kwargs) -> tuple:
 
 
 class PersistentAutotuner(triton.runtime.Autotuner):
+    def __init__(self, *args, name: Optional[str] = None, **kwargs):
+        """Triton's arguments, and ``name``: the name of its stored picks (None: not stored)."""
+        super().__init__(*args, **kwargs)
+        self.name = name
+
     def pick(self, key: tuple, args) -> Optional[triton.Config]:
         """The config ``key`` runs: this process's pick, else a stored one (installed as if it
         had just been timed), else None (untuned)."""
         if key not in self.cache:
-            store = _store_for(self.base_fn.__name__, args)
+            store = _store_for(self.name, args)
             stored = store.get(key) if store is not None else None
             config = matching_config(self.configs, stored) if stored else None
             if config is not None:
@@ -76,7 +84,7 @@ class PersistentAutotuner(triton.runtime.Autotuner):
             precompile_untuned_configs(self, args, kwargs)
         result = super().run(*args, **kwargs)
         if tuning and key in self.cache:
-            store = _store_for(self.base_fn.__name__, args)
+            store = _store_for(self.name, args)
             if store is not None:
                 store.put(key, config_to_json(self.cache[key]))
         return result
@@ -170,18 +178,19 @@ def precompile_untuned_configs(autotuner, args, kwargs) -> None:
         _queue_compiles(autotuner, args, kwargs)
 
 
-def _store_for(kernel_name: str, args):
+def _store_for(name: Optional[str], args):
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    if device is None or device.type != "cuda":
+    if name is None or device is None or device.type != "cuda":
         return None
-    return PickStore(kernel_name, torch.cuda.get_device_name(device))
+    return PickStore(name, torch.cuda.get_device_name(device))
 
 
-def persistent_autotune(configs, key, prune_configs_by, do_bench):
-    """Like ``triton.autotune(...)``, building a ``PersistentAutotuner``."""
+def persistent_autotune(configs, key, prune_configs_by, do_bench, name: str):
+    """Like ``triton.autotune(...)``, building a ``PersistentAutotuner`` whose picks are stored
+    under ``name`` (one name per autotuner)."""
     def decorate(fn):
         return PersistentAutotuner(
             fn, fn.arg_names, configs, key, reset_to_zero=None, restore_value=None,
-            prune_configs_by=prune_configs_by, do_bench=do_bench,
+            prune_configs_by=prune_configs_by, do_bench=do_bench, name=name,
         )
     return decorate

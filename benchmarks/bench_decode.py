@@ -15,9 +15,13 @@ Per method (bf16, ours, torchao ``Int4WeightOnlyConfig(group_size=32,
 int4_packing_format="tile_packed_to_4d")``) and batch size: tokens/s over 128 decode-step
 replays, time to first token (one prefill replay) and the weight bytes, and whether the
 graphed tokens follow eager generation. All methods run in one process on one GPU, batch by
-batch, each phase's time printed as it ends.
+batch, each phase's time printed as it ends. A batch's graphs are built for every method
+first; then ``--rounds`` generations are timed per method, interleaved (the method order
+reversed every other round), so a drift of the GPU's speed during the run reaches every
+method alike; the table reports each method's median and the range of its per-round ratio
+to bf16.
 
-    python benchmarks/bench_decode.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--json out.json]
+    python benchmarks/bench_decode.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
 from typing import Dict, List, Optional
 
@@ -150,8 +155,9 @@ class GraphedGeneration:
         self.model.setup_cache(self.batch)
 
 
-def measure(model, batch: int, label: str) -> Dict[str, float]:
-    run = GraphedGeneration(model, batch, label)
+def generate_once(run: GraphedGeneration) -> Dict[str, float]:
+    """One graphed generation from an empty cache: TTFT, then 128 timed decode replays."""
+    batch = run.batch
     tokens = torch.empty(batch, NEW_TOKENS + 1, dtype=torch.long, device="cuda")
     run.restart()
     torch.cuda.synchronize()
@@ -169,6 +175,44 @@ def measure(model, batch: int, label: str) -> Dict[str, float]:
     return {"tokens_per_s": batch * NEW_TOKENS / seconds, "ttft_ms": ttft * 1e3,
             "first_tokens": tokens[0, :8].tolist(),
             "matches_eager": int((tokens[:, :2] == run.eager_tokens).sum()) / run.eager_tokens.numel()}
+
+
+def measure_batch(models: Dict[str, torch.nn.Module], batch: int, rounds: int) -> Dict[str, List[dict]]:
+    """Every method's graphs for ``batch``, then ``rounds`` interleaved generations each: the
+    samples per method. A method that fails is reported and left out; the others still count."""
+    runs = {}
+    for method, model in models.items():
+        try:
+            runs[method] = GraphedGeneration(model, batch, method)
+        except Exception as error:
+            print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
+    samples = {method: [] for method in runs}
+    for round_index in range(rounds):
+        order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
+        for method in order:
+            try:
+                sample = generate_once(runs[method])
+            except Exception as error:
+                print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
+                continue
+            samples[method].append(sample)
+            print(f"{method:8s} batch {batch:3d} round {round_index + 1}: {sample['tokens_per_s']:8.1f} tok/s, "
+                  f"TTFT {sample['ttft_ms']:.1f} ms, first tokens as eager {sample['matches_eager']:.0%}",
+                  flush=True)
+    return samples
+
+
+def summarize(method: str, batch: int, size: int, taken: List[dict], bf16: List[dict]) -> dict:
+    """A method's row: medians over its rounds; per-round ratios to bf16's same round."""
+    rates = [sample["tokens_per_s"] for sample in taken]
+    row = {"method": method, "batch": batch, "weight_bytes": size,
+           "tokens_per_s": statistics.median(rates), "tokens_per_s_rounds": rates,
+           "ttft_ms": statistics.median(sample["ttft_ms"] for sample in taken),
+           "first_tokens": taken[0]["first_tokens"], "matches_eager": taken[0]["matches_eager"]}
+    if len(bf16) == len(taken):
+        row["vs_bf16_rounds"] = [ours["tokens_per_s"] / base["tokens_per_s"] for ours, base in zip(taken, bf16)]
+        row["vs_bf16"] = statistics.median(row["vs_bf16_rounds"])
+    return row
 
 
 def compiled_models(methods: List[str]) -> Dict[str, torch.nn.Module]:
@@ -193,6 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="bf16,ours,torchao")
     parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--rounds", type=int, default=3, help="timed generations per method and batch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -201,25 +246,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     # Batch by batch, every method in turn: a run cut short still compares the methods.
     for batch in batches:
-        for method, model in models.items():
-            size = sizes[method]
-            try:
-                result = measure(model, batch, method)
-            except Exception as error:  # the other methods' measurements still count
-                print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
-                continue
-            rows.append({"method": method, "batch": batch, "weight_bytes": size, **result})
-            print(f"{method:8s} batch {batch:3d}: {result['tokens_per_s']:8.1f} tok/s, "
-                  f"TTFT {result['ttft_ms']:.1f} ms, weights {size / 2**30:.2f} GiB, "
-                  f"first tokens as eager {result['matches_eager']:.0%}", flush=True)
-    by_batch = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "bf16"}
-    for row in rows:
-        if row["batch"] in by_batch:
-            row["vs_bf16"] = row["tokens_per_s"] / by_batch[row["batch"]]
-    print("| method | batch | tokens/s | vs bf16 | TTFT ms | weight GiB |")
+        samples = measure_batch(models, batch, args.rounds)
+        for method, taken in samples.items():
+            if taken:
+                rows.append(summarize(method, batch, sizes[method], taken, samples.get("bf16", [])))
+        torch.cuda.empty_cache()
+    print("| method | batch | tokens/s (median) | vs bf16 (median, rounds' range) | TTFT ms | weight GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        vs_bf16 = f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-"  # bf16 not run at this batch
+        ratios = r.get("vs_bf16_rounds")
+        vs_bf16 = f"{r['vs_bf16']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
         print(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {vs_bf16} "
               f"| {r['ttft_ms']:.1f} | {r['weight_bytes'] / 2**30:.2f} |")
     if args.json:

@@ -10,7 +10,7 @@
 #                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
 #   profile         Nsight Compute counters of tuned launches
 #   autotune        cold and warm tuning benchmark
-#   decode          decode benchmark
+#   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3)
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
 #   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile]
@@ -84,7 +84,8 @@ for step in $steps; do
       grep -E "^\||^#|failed|Error" "$out/decode-profile.log" | tail -60 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
-        --batches "${BATCHES:-1,4,16}" --json "$out/decode.json" > "$out/decode.log" 2>&1
+        --batches "${BATCHES:-1,4,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" \
+        > "$out/decode.log" 2>&1
       grep -E "^\||^#|tok/s|failed|Error" "$out/decode.log" | tail -30 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Autotuning on the GPU (skipped without CUDA): parallel precompile of an untuned shape,
 tracing hands Inductor only a tuned shape's pick, dynamic M is timed apart from static M, and
-a second process restores every pick from the persistent cache instead of timing."""
+a second process restores every pick from the persistent cache instead of timing, and one
+bucket never restores another bucket's pick."""
 
 import contextlib
 import os
@@ -187,3 +188,22 @@ def test_a_second_process_restores_picks_instead_of_timing(tmp_path):
     (cold_measured, cold_restored, _), (warm_measured, warm_restored, _) = runs
     assert (cold_measured, cold_restored) == ("1", "0")
     assert (warm_measured, warm_restored) == ("0", "1")
+
+
+
+def _new_autotuner_like(bucket):
+    """A new autotuner of ``bucket``'s kernel, space and store name: nothing picked in this
+    process, so ``pick`` can only restore from the store."""
+    model = BUCKET_KERNELS[bucket]
+    return tuner.PersistentAutotuner(model.fn, model.fn.arg_names, model.configs, model.keys, reset_to_zero=None,
+                                     restore_value=None, name=model.name)
+
+
+def test_a_bucket_times_its_own_configs_after_another_bucket_stored_its_picks():
+    """Buckets 1 and 4 share one JIT function and tuning key: bucket 4 must not find bucket
+    1's stored pick (it ran M = 1's configs at M = 4 until the store was named per bucket)."""
+    packed = _packed(640, 1280, seed=13)  # a shape no other test tunes
+    launch(1, _x(1, 1280), *packed, 32, split_k=1)  # tunes bucket 1 and stores its pick
+    (key,) = [k for k in BUCKET_KERNELS[1].cache if k[:3] == (640, 1280, 1)]
+    assert _new_autotuner_like(4).pick(key, packed) is None  # nothing stored under bucket 4
+    assert _new_autotuner_like(1).pick(key, packed) == BUCKET_KERNELS[1].cache[key]  # its own, restored

@@ -179,23 +179,26 @@ def generate_once(run: GraphedGeneration) -> Dict[str, float]:
 
 def measure_batch(models: Dict[str, torch.nn.Module], batch: int, rounds: int) -> Dict[str, List[dict]]:
     """Every method's graphs for ``batch``, then ``rounds`` interleaved generations each: the
-    samples per method. A method that fails is reported and left out; the others still count."""
-    runs = {}
-    for method, model in models.items():
+    samples per method, each tagged with its round. A method that fails is reported and left
+    out of that step; the others still count."""
+    def attempt(method, work):
         try:
-            runs[method] = GraphedGeneration(model, batch, method)
+            return work()
         except Exception as error:
             print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
+            return None
+
+    runs = {method: attempt(method, lambda: GraphedGeneration(model, batch, method))
+            for method, model in models.items()}
+    runs = {method: run for method, run in runs.items() if run is not None}
     samples = {method: [] for method in runs}
     for round_index in range(rounds):
         order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
         for method in order:
-            try:
-                sample = generate_once(runs[method])
-            except Exception as error:
-                print(f"{method:8s} batch {batch:3d}: failed: {type(error).__name__}: {error}", flush=True)
+            sample = attempt(method, lambda: generate_once(runs[method]))
+            if sample is None:
                 continue
-            samples[method].append(sample)
+            samples[method].append({**sample, "round": round_index})
             print(f"{method:8s} batch {batch:3d} round {round_index + 1}: {sample['tokens_per_s']:8.1f} tok/s, "
                   f"TTFT {sample['ttft_ms']:.1f} ms, first tokens as eager {sample['matches_eager']:.0%}",
                   flush=True)
@@ -203,15 +206,17 @@ def measure_batch(models: Dict[str, torch.nn.Module], batch: int, rounds: int) -
 
 
 def summarize(method: str, batch: int, size: int, taken: List[dict], bf16: List[dict]) -> dict:
-    """A method's row: medians over its rounds; per-round ratios to bf16's same round."""
+    """A method's row: medians over its rounds; ratios to bf16's sample of the same round."""
     rates = [sample["tokens_per_s"] for sample in taken]
     row = {"method": method, "batch": batch, "weight_bytes": size,
            "tokens_per_s": statistics.median(rates), "tokens_per_s_rounds": rates,
            "ttft_ms": statistics.median(sample["ttft_ms"] for sample in taken),
            "first_tokens": taken[0]["first_tokens"], "matches_eager": taken[0]["matches_eager"]}
-    if len(bf16) == len(taken):
-        row["vs_bf16_rounds"] = [ours["tokens_per_s"] / base["tokens_per_s"] for ours, base in zip(taken, bf16)]
-        row["vs_bf16"] = statistics.median(row["vs_bf16_rounds"])
+    base = {sample["round"]: sample["tokens_per_s"] for sample in bf16}
+    ratios = [sample["tokens_per_s"] / base[sample["round"]] for sample in taken if sample["round"] in base]
+    if ratios:
+        row["vs_bf16_rounds"] = ratios
+        row["vs_bf16"] = statistics.median(ratios)
     return row
 
 

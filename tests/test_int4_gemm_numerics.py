@@ -26,14 +26,17 @@ def _sample(configs, count=3):
     return [configs[i] for i in sorted({0, len(configs) // 2, len(configs) - 1})][:count]
 
 
+_EVEN_K_FIRST = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
+"""The k of a group of 32 in the order of its quantized words' bytes: even k, then odd k."""
+
+
 def _reference_activation_quantization(x):
     v = x.float().reshape(x.shape[0], -1, 32)
     amax = v.abs().amax(-1)
     scale = amax / 127
     inverse = torch.where(amax > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round((v * inverse[..., None]).clamp(-127, 127)).to(torch.int32)
-    order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])  # even k first
-    as_bytes = (q[..., order] & 0xFF).reshape(x.shape[0], -1, 4)
+    as_bytes = (q[..., _EVEN_K_FIRST] & 0xFF).reshape(x.shape[0], -1, 4)
     words = (as_bytes << torch.tensor([0, 8, 16, 24])).sum(-1).to(torch.int64)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.reshape(x.shape[0], -1), scale, q.sum(-1).to(torch.int32)
@@ -86,9 +89,8 @@ def test_activation_quantization_of_a_denormal_block_stays_in_range():
     x[0, :32] = torch.linspace(-1e-37, 1e-37, 32).to(torch.bfloat16)
     x[0, 7] = 0
     words, scale, sums = _quantize_activations(x)
-    order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
     q = torch.empty(32, dtype=torch.int32)
-    q[order] = _signed_bytes(words.cpu()[0, :8])
+    q[_EVEN_K_FIRST] = _signed_bytes(words.cpu()[0, :8])
     v = x[0, :32].float().cpu()
     assert q.abs().max().item() <= 127 and q[7].item() == 0
     assert (torch.sign(q) * torch.sign(v) >= 0).all() and q.abs().max().item() > 0

@@ -178,7 +178,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     results: Dict[tuple, dict] = {}
     errors = []
-    for n, k in shapes:
+    header = "| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split |"
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
+    # Rows and JSON are written shape by shape, so that a run cut off by a time limit keeps the
+    # shapes it finished.
+    for shape_index, (n, k) in enumerate(shapes):
         for m in ms:
             floor = (n * k * INT4_BYTES_PER_WEIGHT + 2 * m * k + 2 * m * n) / bandwidth * 1e6
             results[(n, k, m)] = {"N": n, "K": k, "M": m, "floor_us": floor}
@@ -191,22 +195,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"# {errors[-1]}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
             print(f"# {name} {n}x{k}: {time.perf_counter() - start:.1f} s", flush=True)
-    header = "| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
-    for r in results.values():
-        ours, bf16 = r.get("ours_us"), r.get("bf16_us")
-        speedup = f"{bf16 / ours:.2f}x" if ours and bf16 else "-"
-        floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
-        print(f"| {r['N']}x{r['K']} | {r['M']} | {fmt(ours)} | {fmt(bf16)} | "
-              f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
-              f"{r.get('split_k', '-')} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "hbm_read_bandwidth": bandwidth, "results": list(results.values()),
-                       "errors": errors}, handle, indent=1)
+        if shape_index == 0:
+            print(header)
+            print("|" + "---|" * (header.count("|") - 1))
+        for m in ms:
+            r = results[(n, k, m)]
+            ours, bf16 = r.get("ours_us"), r.get("bf16_us")
+            speedup = f"{bf16 / ours:.2f}x" if ours and bf16 else "-"
+            floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
+            print(f"| {n}x{k} | {m} | {fmt(ours)} | {fmt(bf16)} | "
+                  f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
+                  f"{r.get('split_k', '-')} |", flush=True)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                           "hbm_read_bandwidth": bandwidth, "results": list(results.values()),
+                           "errors": errors}, handle, indent=1)
     return 0
 
 

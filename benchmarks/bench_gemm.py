@@ -3,8 +3,9 @@
 
 Method (SPEC section 11): each method gets enough copies of its weights to exceed twice the L2
 cache, a CUDA graph of many calls rotating over the copies is captured, and its replays are
-timed with CUDA events: weights come from HBM and launch overhead is out. Our split-K is the
-library's own pick (``autotune_launch_params``), our tile config its autotuner's pick. The
+timed with CUDA events: weights come from HBM and launch overhead is out. Our split-K (and, at M <= 4,
+whether the activations are quantized by a kernel of their own first) is the library's own
+pick (``autotune_launch_params``), our tile config its autotuner's pick. The
 memory floor is (weight + activation + output bytes) / the HBM read bandwidth measured here.
 
     python benchmarks/bench_gemm.py [--shapes 8448x6656,4096x4096] [--ms 1,4,16] [--json out.json]
@@ -94,9 +95,10 @@ def random_int4_weights(n: int, k: int, copies: int):
     return out
 
 
-def tuned_split(bucket, x, weights) -> int:
-    """The split-K our launch runs ``x`` on ``weights`` with: tuned now, or restored from the
-    pick caches (the tile config is tuned or restored alongside)."""
+def tuned_launch_params(bucket, x, weights) -> dict:
+    """The launch parameters (split-K; for buckets 1-4 also ``prequantize``) our launch runs
+    ``x`` on ``weights`` with: tuned now, or restored from the pick caches (the tile config
+    is tuned or restored alongside)."""
     with autotune_launch_params() as stats:
         launch(bucket, x, *weights, 32)
     return stats.choices[-1]
@@ -113,9 +115,9 @@ def bench_ours(n, k, ms, results):
     for m in ms:
         bucket = bucket_for(m)
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        split = tuned_split(bucket, x, copies[0])
-        us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split) for w in copies])
-        results[(n, k, m)].update(ours_us=us, split_k=split, config=last_config(bucket), bucket=bucket)
+        params = tuned_launch_params(bucket, x, copies[0])
+        us = time_calls([lambda w=w: launch(bucket, x, *w, 32, **params) for w in copies])
+        results[(n, k, m)].update(ours_us=us, **params, config=last_config(bucket), bucket=bucket)
     del copies
 
 
@@ -178,7 +180,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     results: Dict[tuple, dict] = {}
     errors = []
-    header = "| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split |"
+    header = ("| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split "
+              "| prequantized |")
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     # Rows and JSON are written shape by shape, so that a run cut off by a time limit keeps the
     # shapes it finished.
@@ -205,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
             print(f"| {n}x{k} | {m} | {fmt(ours)} | {fmt(bf16)} | "
                   f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
-                  f"{r.get('split_k', '-')} |", flush=True)
+                  f"{r.get('split_k', '-')} | {'yes' if r.get('prequantize') else '-'} |", flush=True)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -17,7 +17,7 @@ import sys
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_split  # this script's folder is on sys.path
+from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launch_params  # this script's folder is on sys.path
 
 from coalesced_int4.kernels import launch
 
@@ -33,13 +33,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in (int(v) for v in args.ms.split(",")):
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            split = tuned_split(bucket, x, weights)
+            params = tuned_launch_params(bucket, x, weights)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("profile")
-            launch(bucket, x, *weights, 32, split_k=split)
+            launch(bucket, x, *weights, 32, **params)
             torch.cuda.nvtx.range_pop()
             torch.cuda.synchronize()
-            print(f"# profile {n}x{k} M={m}: bucket {bucket}, split {split}, "
+            print(f"# profile {n}x{k} M={m}: bucket {bucket}, {params}, "
                   f"config {last_config(bucket)}", flush=True)
     return 0
 

@@ -4,7 +4,7 @@ registers per thread, the most frequent instruction classes and the main loop's 
 weight of one config, so a change's instruction and occupancy cost can be read before any
 device time is spent.
 
-    python benchmarks/sass_w4a8.py --bucket 4 --block-n 16 --groups 32 --warps 4 [--prefetch]
+    python benchmarks/sass_w4a8.py --bucket 4 --block-n 16 --groups 32 --warps 4 [--prefetch] [--prequantized]
 """
 
 from __future__ import annotations
@@ -45,13 +45,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--prefetch", action="store_true")
     parser.add_argument("--partial", action="store_true", help="the split-K (> 1) binary")
+    parser.add_argument("--prequantized", action="store_true",
+                        help="the binary reading quantize_activations' words instead of bf16")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     constants = {"PARTIAL": args.partial, "BUCKET": args.bucket, "BLOCK_N": args.block_n, "GROUPS": args.groups,
                  "STAGES": args.stages, "PREFETCH": args.prefetch, "INTERPRET": False}
     names = list(inspect.signature(_w4a8_kernel.fn).parameters)
-    signature = {n: POINTERS.get(n, "constexpr" if n in constants else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in DIVISIBLE_BY_16}
+    pointers = {**POINTERS, "x_ptr": "*i32"} if args.prequantized else POINTERS
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
     source = ASTSource(_w4a8_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages})

@@ -1,4 +1,4 @@
-"""Config sweep: time every (tile config, split-K) of a grid, beyond the shipped autotune space,
+"""Config sweep: time every (tile config, split-K, launch variant) of a grid, beyond the shipped autotune space,
 to choose that space and to A/B kernel variants (run once per source tree on PYTHONPATH).
 
 Each (N, K, M, config, split) is timed with bench_gemm's method (a CUDA graph of many calls
@@ -22,10 +22,11 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, time_calls, tuned_split, INT4_BYTES_PER_WEIGHT  # noqa: I001
+from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, time_calls, tuned_launch_params, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
 from coalesced_int4.kernels import check_split_k, launch
-from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, int4_config
+from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES,
+                                          W4A8_BUCKETS, int4_config)
 
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
@@ -44,17 +45,21 @@ GRIDS = {
               for s in (2, 3)],
 }
 
+VARIANTS = {"w4a8": [{"prequantize": p} for p in PREQUANTIZE_CANDIDATES], "w4a16": [{}]}
+"""The family's launch parameters other than the split, each combination timed per entry."""
+
 
 def compile_one(job) -> Optional[str]:
-    """Compile (by launching once, on a small N) one entry at one (bucket, split)."""
-    entry, k, bucket, split = job
+    """Compile (by launching once, on a small N) one entry at one (bucket, split, variant)."""
+    entry, k, bucket, split, variant = job
     try:
         x = torch.randn(bucket, k, dtype=torch.bfloat16, device="cuda")
-        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=int4_config(**entry))
+        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=int4_config(**entry),
+               **variant)
         torch.cuda.synchronize()
         return None
     except Exception as error:  # an entry that does not compile is reported and skipped later
-        return f"{entry} bucket {bucket} split {split}: {type(error).__name__}: {error}"
+        return f"{entry} bucket {bucket} split {split} {variant}: {type(error).__name__}: {error}"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -79,8 +84,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     start = time.perf_counter()
     # Binaries differ by bucket, by split 1 vs > 1 (output vs partials; 1 is specialized) and
     # K's divisibility, which every shape here shares; one small-N launch per kind compiles it.
-    jobs = [(entry, shapes[0][1], bucket, split) for entry in grid for bucket in sorted({bucket_for(m) for m in ms})
-            for split in (1, 2)]
+    variants = VARIANTS[args.family]
+    jobs = [(entry, shapes[0][1], bucket, split, variant) for entry in grid
+            for bucket in sorted({bucket_for(m) for m in ms}) for split in (1, 2) for variant in variants]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 1), mp_context=context) as pool:
         failures = [f for f in pool.map(compile_one, jobs) if f]
@@ -96,24 +102,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             times = []
-            for entry, split in itertools.product(grid, splits):
+            for entry, split, variant in itertools.product(grid, splits, variants):
                 try:
                     check_split_k(split, k)
                     config = int4_config(**entry)
-                    us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config)
+                    us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config, **variant)
                                      for w in copies])
                 except Exception:  # illegal split or a config that failed to compile
                     continue
-                times.append({"us": us, "split": split, **entry})
-            pick_split = tuned_split(bucket, x, copies[0])
-            pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=pick_split) for w in copies])
+                times.append({"us": us, "split": split, **variant, **entry})
+            pick = tuned_launch_params(bucket, x, copies[0])
+            pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, **pick) for w in copies])
             pick_config = last_config(bucket)
             times.sort(key=lambda t: t["us"])
-            rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_split": pick_split,
+            rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_params": pick,
                          "pick_config": pick_config, "times": times})
             best = ", ".join(f"{t['us']:.1f} us " + " ".join(f"{key}={v}" for key, v in t.items() if key != "us")
                              for t in times[:args.top])
-            print(f"| {args.label} | {n}x{k} | {m} | shipped pick {pick_us:.1f} us (split {pick_split}, {pick_config}) | "
+            print(f"| {args.label} | {n}x{k} | {m} | shipped pick {pick_us:.1f} us ({pick}, {pick_config}) | "
                   f"best: {best} |", flush=True)
         del copies
         torch.cuda.empty_cache()

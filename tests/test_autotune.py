@@ -36,7 +36,7 @@ def fake_timer(monkeypatch):
 
 
 def _toy(costs, calls=None, legal=lambda v, x: True):
-    @autotune_launch_param("split_k", tuple(costs))
+    @autotune_launch_param(split_k=tuple(costs))
     def run(x, *, split_k):
         if not legal(split_k, x):
             raise InvalidLaunchParam(f"split_k={split_k} is illegal here")
@@ -54,8 +54,8 @@ def test_outside_the_context_the_first_candidate_runs_untimed():
 def test_inside_the_context_the_fastest_candidate_wins():
     with autotune_launch_params() as stats:
         assert _toy(COST)(torch.zeros(4)).split_k == 4
-    assert stats.measured == 1 and set(stats.picks[0].times_us) == set(COST)
-    assert stats.picks[0].choice == 4 and stats.picks[0].param == "split_k"
+    assert stats.measured == 1 and set(stats.picks[0].times_us) == {(v,) for v in COST}
+    assert stats.picks[0].choice == {"split_k": 4} and stats.picks[0].params == ("split_k",)
 
 
 def test_each_shape_is_timed_once():
@@ -73,7 +73,7 @@ def test_every_launch_reports_the_value_it_ran_with_however_it_was_decided():
         run(torch.zeros(4))  # timed
         run(torch.zeros(4))  # cached in this process
         run(torch.zeros(4), split_k=2)  # explicit
-    assert stats.choices == [4, 4, 2] and len(stats.picks) == 1
+    assert stats.choices == [{"split_k": 4}, {"split_k": 4}, {"split_k": 2}] and len(stats.picks) == 1
 
 
 def test_an_explicit_value_is_used_as_is():
@@ -87,7 +87,7 @@ def test_illegal_candidates_are_skipped_and_reported():
     run = _toy(COST, legal=lambda v, x: v <= 2)
     with autotune_launch_params() as stats:
         assert run(torch.zeros(4)).split_k == 2
-    assert set(stats.picks[0].times_us) == {1, 2} and set(stats.picks[0].rejected) == {4, 8, 16}
+    assert set(stats.picks[0].times_us) == {(1,), (2,)} and set(stats.picks[0].rejected) == {(4,), (8,), (16,)}
 
 
 def test_no_legal_candidate_is_an_error():
@@ -100,10 +100,41 @@ def test_near_ties_go_to_the_smaller_value():
         assert _toy({8: 5.0, 2: 5.05, 4: 5.0})(torch.zeros(4)).split_k == 2
 
 
+PAIR_COST = {(1, False): 9.0, (1, True): 7.0, (2, False): 5.0, (2, True): 4.0, (4, False): 8.0, (4, True): 4.05}
+
+
+def _pair_toy():
+    @autotune_launch_param(split_k=(1, 2, 4), prequantize=(False, True))
+    def run(x, *, split_k, prequantize):
+        return types.SimpleNamespace(cost=PAIR_COST[split_k, prequantize], values=(split_k, prequantize))
+    return run
+
+
+def test_every_combination_of_two_launch_parameters_is_timed_and_the_fastest_wins():
+    with autotune_launch_params() as stats:
+        assert _pair_toy()(torch.zeros(4)).values == (2, True)  # (4, True) ties it and comes later
+    pick = stats.picks[0]
+    assert pick.params == ("split_k", "prequantize") and set(pick.times_us) == set(PAIR_COST)
+    assert pick.choice == {"split_k": 2, "prequantize": True}
+    assert stats.choices == [{"split_k": 2, "prequantize": True}]
+
+
+def test_a_launch_parameter_passed_explicitly_leaves_the_others_timed():
+    with autotune_launch_params() as stats:
+        assert _pair_toy()(torch.zeros(4), split_k=1).values == (1, True)
+        assert _pair_toy()(torch.zeros(4), prequantize=False).values == (2, False)
+    assert [pick.params for pick in stats.picks] == [("prequantize",), ("split_k",)]
+    assert stats.choices[0] == {"split_k": 1, "prequantize": True}
+
+
+def test_outside_the_context_every_launch_parameter_takes_its_first_value():
+    assert _pair_toy()(torch.zeros(4)).values == (1, False)
+
+
 def test_running_out_of_memory_twice_falls_back_to_the_first_candidate(caplog):
     attempts = []
 
-    @autotune_launch_param("split_k", (1, 2))
+    @autotune_launch_param(split_k=(1, 2))
     def run(x, *, split_k):
         if launch_params._state.stats is not None and len(attempts) < 2 and x.device.type == "cpu":
             attempts.append(split_k)
@@ -119,7 +150,7 @@ def test_running_out_of_memory_twice_falls_back_to_the_first_candidate(caplog):
 def test_fake_inputs_are_timed_on_real_stand_ins():
     seen = []
 
-    @autotune_launch_param("split_k", (1, 2))
+    @autotune_launch_param(split_k=(1, 2))
     def run(x, *, split_k):
         seen.append(type(x).__name__)
         return types.SimpleNamespace(cost=float(3 - split_k), split_k=split_k)
@@ -133,10 +164,12 @@ def test_fake_inputs_are_timed_on_real_stand_ins():
 
 
 def test_declaration_errors():
-    with pytest.raises(ValueError, match="needs at least one candidate"):
-        autotune_launch_param("split_k", ())
+    with pytest.raises(ValueError, match="needs at least one parameter"):
+        autotune_launch_param()
+    with pytest.raises(ValueError, match="needs at least one candidate for split_k"):
+        autotune_launch_param(split_k=())
     with pytest.raises(TypeError, match="has no parameter 'num_splits'"):
-        autotune_launch_param("num_splits", (1, 2))(lambda x, *, split_k: x)
+        autotune_launch_param(num_splits=(1, 2))(lambda x, *, split_k: x)
 
 
 # ---------------------------------------------------------------- autotune_do_bench
@@ -440,7 +473,7 @@ def test_the_prepass_pools_and_queues_only_where_the_gate_is_on(gate):
 def test_every_split_candidate_queues_its_compiles_in_one_pool_before_any_runs():
     entered, calls = [], []
 
-    @autotune_launch_param("split_k", (1, 2, 4))
+    @autotune_launch_param(split_k=(1, 2, 4))
     def run(x, *, split_k):
         if split_k == 4:
             raise InvalidLaunchParam("split_k=4 is illegal here")
@@ -455,7 +488,7 @@ def test_every_split_candidate_queues_its_compiles_in_one_pool_before_any_runs()
     # queued inside the pool, then each legal candidate runs once, the timed rounds, the launch
     assert calls[:2] == [(1, True, 1), (2, True, 1)]
     assert calls[2:4] == [(1, False, 2), (2, False, 2)]
-    assert len(calls) == 4 + launch_params.ROUNDS * 2 + 1 and stats.picks[0].rejected.keys() == {4}
+    assert len(calls) == 4 + launch_params.ROUNDS * 2 + 1 and stats.picks[0].rejected.keys() == {(4,)}
 
 
 def test_while_queuing_an_autotuner_submits_compiles_and_launches_nothing():
@@ -506,6 +539,8 @@ def test_split_k_timing_behind_the_one_pool_prepass_gives_the_reference_result()
             mock.patch.object(tuner, "_queue_compiles", recording), \
             autotune_launch_params() as stats:
         out = launch(2, x, *packed, 32)
-    assert queued == [1, 2, 4]  # in the prepass; K = 1024 has 4 super-blocks: 8 and 16 are illegal
-    assert set(stats.picks[0].times_us) == {1, 2, 4}
+    # In the prepass, each split fused and prequantized; K = 1024 has 4 super-blocks: 8 and 16
+    # are illegal.
+    assert queued == [1, 1, 2, 2, 4, 4]
+    assert set(stats.picks[0].times_us) == {(s, p) for s in (1, 2, 4) for p in (False, True)}
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))

@@ -1,5 +1,6 @@
 """Quantized models compiled, exported, packaged and captured (GPU; skipped without CUDA):
-torch.compile of the decoder for decode and prefill, dynamic M, an AOTInductor package loaded
+torch.compile of the decoder for decode and prefill, dynamic M, a prequantized launch compiled
+into CUDA graphs, an AOTInductor package loaded
 in a fresh process, CUDA-graph replay, and a KV-cache decode that gives the same tokens eager
 and compiled."""
 
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 
 import coalesced_int4 as ci4
 from coalesced_int4.decoder import DEMO, build_decoder, decode_step, generate
+from coalesced_int4.kernels import autotune_launch_params, clear_launch_param_cache
+from coalesced_int4.kernels.autotune import launch_params
 from tests.conftest import requires_cuda
 
 pytestmark = requires_cuda
@@ -69,6 +72,28 @@ def test_a_dynamic_m_compiles_once_per_bucket_range():
         torch._dynamo.mark_dynamic(x, 0, min=2, max=4)
         assert _rel(compiled(x), F.linear(x.float(), weight.dequantize(torch.float32))) < 0.03
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+
+
+def test_a_prequantized_pick_runs_compiled_in_cuda_graphs_with_eager_bits(tmp_path, monkeypatch):
+    """When the timing prefers quantizing the activations by a kernel of their own, the
+    compiled code launches that kernel before the GEMM and gives eager's bits."""
+    monkeypatch.setenv("COALESCED_INT4_CACHE_DIR", str(tmp_path))  # nothing restored
+    monkeypatch.setattr(launch_params, "time_call_us",
+                        lambda call: 1.0 if call.keywords["prequantize"] else 2.0)
+    clear_launch_param_cache()
+    torch._dynamo.reset()
+    weight = ci4.CudaCoalescedInt4Tensor.from_float(torch.randn(512, 1024, device="cuda"))
+    x = torch.randn(3, 1024, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(lambda x: F.linear(x, weight), mode="reduce-overhead", fullgraph=True)
+    try:
+        with torch.no_grad(), autotune_launch_params() as stats:
+            eager = F.linear(x, weight)
+            out, code = torch._inductor.utils.run_and_get_code(compiled, x)
+    finally:
+        clear_launch_param_cache()
+    assert stats.choices and all(choice["prequantize"] for choice in stats.choices)
+    assert "_quantize_kernel" in "\n".join(code)
+    assert torch.equal(out, eager)
 
 
 AOTI_LOAD = textwrap.dedent("""

@@ -241,8 +241,9 @@ def test_split_k_is_timed_per_shape_and_cached():
         launch(2, x, *packed, 32)
     assert stats.measured == 1 and stats.cache_hits == 1
     pick = stats.picks[0]
-    assert set(pick.times_us) == {1, 2, 4, 8} and set(pick.rejected) == {16}
-    assert pick.choice in pick.times_us
+    assert set(pick.times_us) == {(s, p) for s in (1, 2, 4, 8) for p in (False, True)}
+    assert set(pick.rejected) == {(16, False), (16, True)}
+    assert tuple(pick.choice.values()) in pick.times_us
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 
 

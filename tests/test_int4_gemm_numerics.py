@@ -9,7 +9,7 @@ import triton.language as tl
 from coalesced_int4.kernels import InvalidLaunchParam, family, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.rules import int4_config
 from coalesced_int4.kernels.split_k import split_bounds
-from coalesced_int4.kernels.w4a8 import _quantize_groups
+from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,27 +42,12 @@ def _reference_activation_quantization(x):
     return words.reshape(x.shape[0], -1), scale, q.sum(-1).to(torch.int32)
 
 
-@triton.jit
-def _quantize_groups_probe(x_ptr, words_ptr, scale_ptr, sum_ptr, K: tl.constexpr, INTERPRET: tl.constexpr):
-    """One row of K activations through the W4A8 kernel's quantizer; per group g the even
-    words go to 8g..8g+3 and the odd ones to 8g+4..8g+7."""
-    row = tl.program_id(0)
-    v = tl.load(x_ptr + row * K + tl.arange(0, K)).to(tl.float32)
-    even, odd, scale, sums = _quantize_groups(tl.reshape(v, [K // 32, 32]), INTERPRET)
-    words = tl.reshape(tl.join(even, odd), [K // 32, 4, 2])  # [group, word, parity]
-    words = tl.reshape(tl.permute(words, (0, 2, 1)), [K // 4])
-    tl.store(words_ptr + row * (K // 4) + tl.arange(0, K // 4), words)
-    tl.store(scale_ptr + row * (K // 32) + tl.arange(0, K // 32), scale)
-    tl.store(sum_ptr + row * (K // 32) + tl.arange(0, K // 32), sums)
-
-
 def _quantize_activations(x):
-    m, k = x.shape
-    words = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
-    scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
-    sums = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
-    _quantize_groups_probe[(m,)](x, words, scale, sums, K=k, INTERPRET=family.INTERPRETER)
-    return words, scale, sums
+    """The words, scales and sums of ``quantize_activations``' layout (``WORDS_PER_GROUP`` a
+    group: 4 even-k words, 4 odd-k words, the scale's bits, the sum, two zeros)."""
+    per_group = quantize_activations(x).view(x.shape[0], -1, WORDS_PER_GROUP.value)
+    assert (per_group[..., 10:] == 0).all()
+    return per_group[..., :8].flatten(1), per_group[..., 8].view(torch.float32), per_group[..., 9]
 
 
 def test_activation_quantization_per_32_in_even_odd_byte_order():
@@ -116,16 +101,29 @@ def test_w4a8_sampled_configs_match(bucket):
         assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=1, config=config), ref)
 
 
+@pytest.mark.parametrize("prequantize", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
-def test_w4a8_trips_past_the_end_of_a_split_add_nothing(split, prefetch):
+def test_w4a8_trips_past_the_end_of_a_split_add_nothing(split, prefetch, prequantize):
     # 3 super-blocks, 2 per trip: split 1 ends on a half-empty trip, split 2 (2 + 1) on another;
     # a prefetching program also loads (masked) the trip after its last.
     packed, _ = packed_weight(40, 768, seed=17, device=DEVICE)
     x = _x(4, 768, seed=17)
     config = int4_config(4, BLOCK_N=16, GROUPS=16, STAGES=1, PREFETCH=prefetch)
-    out = launch(4, x, *packed, 32, split_k=split, config=config)
+    out = launch(4, x, *packed, 32, split_k=split, config=config, prequantize=prequantize)
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+@pytest.mark.parametrize("bucket", [1, 2, 4])
+def test_prequantized_activations_give_the_bits_of_quantizing_inside_the_gemm(bucket):
+    packed, _ = packed_weight(48, 768, seed=23, device=DEVICE)
+    for m in sorted({1, max(1, bucket - 1), bucket}):  # prequantized, rows >= M read zeros
+        x = _x(m, 768, seed=m)
+        for split in (1, 2):
+            for config in _sample(int4_autotune_configs(bucket), count=2):
+                inside = launch(bucket, x, *packed, 32, split_k=split, config=config, prequantize=False)
+                first = launch(bucket, x, *packed, 32, split_k=split, config=config, prequantize=True)
+                assert torch.equal(inside, first), (m, split, config)
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 32, 64])

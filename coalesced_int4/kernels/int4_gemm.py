@@ -6,8 +6,9 @@
 (``BUCKET_KERNELS[b]``, key N, K, split_k) over ``int4_autotune_configs(b)``, pruned by
 ``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``;
 each bucket's under its own name).
-The split-K is a launch parameter: the first candidate (1) unless given, or timed per shape
-inside ``autotune_launch_params()``.
+The split-K, and for W4A8 whether the activations are quantized by a kernel of their own
+first (``prequantize``), are launch parameters: the first candidates (split 1, quantized
+inside the GEMM) unless given, or timed per shape inside ``autotune_launch_params()``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
 from coalesced_int4.kernels.autotune.tuner import persistent_autotune, single_config
 from coalesced_int4.kernels.family import INTERPRETER, QuantizedGemmFamily
 from coalesced_int4.kernels.rules import (
+    PREQUANTIZE_CANDIDATES,
     SPLIT_K_CANDIDATES,
     SUPPORTED_BUCKETS,
     TILE_SPLIT_K_CANDIDATES,
@@ -55,7 +57,7 @@ BUCKET_KERNELS = {b: _autotuner(b, int4_autotune_configs(b)) for b in SUPPORTED_
 """The autotuner of each bucket (looked up at launch time, so tests may patch entries)."""
 
 
-def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[triton.Config]):
+def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[triton.Config], **options):
     """Check the split, pick the kernel (the bucket's autotuner, or ``config`` alone), launch."""
     k = x.shape[1]
     check_split_k(split_k, k)
@@ -64,18 +66,19 @@ def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[trito
         # autotuner's own objects, so its single-config kernel is built once).
         config = prune_int4_configs(BUCKET_KERNELS[bucket].configs, {"K": k, "split_k": split_k})[0]
     kernel = BUCKET_KERNELS[bucket] if config is None else single_config(BUCKET_KERNELS[bucket], config)
-    return family_launch(bucket, x, weights, split_k=split_k, kernel=kernel)
+    return family_launch(bucket, x, weights, split_k=split_k, kernel=kernel, **options)
 
 
 # One launcher per family, so each times its own split candidates.
-@autotune_launch_param("split_k", SPLIT_K_CANDIDATES)
+@autotune_launch_param(split_k=SPLIT_K_CANDIDATES, prequantize=PREQUANTIZE_CANDIDATES)
 def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
-                 dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
+                 dynamic_m: bool, *, split_k: int, prequantize: bool,
+                 config: Optional[triton.Config] = None):
     weights = (qdata, scale, scale_step, zero_point, zero_point_step)
-    return _run(launch_w4a8, bucket, x, weights, split_k, config)
+    return _run(launch_w4a8, bucket, x, weights, split_k, config, prequantize=prequantize)
 
 
-@autotune_launch_param("split_k", TILE_SPLIT_K_CANDIDATES)
+@autotune_launch_param(split_k=TILE_SPLIT_K_CANDIDATES)
 def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                   dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
     weights = (qdata, scale, scale_step, zero_point, zero_point_step)
@@ -85,7 +88,8 @@ def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_st
 def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step,
            group_size: int, **launch_params) -> torch.Tensor:
     """Run bucket ``bucket`` (no validation: the op validates first). ``launch_params``:
-    ``split_k=`` and ``config=`` (one triton.Config instead of autotuning)."""
+    ``split_k=``, ``prequantize=`` (buckets 1-4) and ``config=`` (one triton.Config instead
+    of autotuning)."""
     # Whether M is symbolic is read here, before timing swaps in concrete stand-ins, and
     # passed positionally so dynamic and static M are timed and cached apart.
     dynamic_m = not isinstance(x.shape[0], int)

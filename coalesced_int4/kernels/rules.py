@@ -23,6 +23,10 @@ W4A16_BUCKETS = (8, 16, 32, 64)
 """Small-batch buckets: weights decoded to bf16, dot products on tensor cores."""
 SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16)
 """Split-K values timed for the W4A8 buckets."""
+PREQUANTIZE_CANDIDATES = (False, True)
+"""Whether the W4A8 buckets' activations are quantized inside the GEMM, by every program
+(one launch), or once by a kernel of their own (a second launch, and a GEMM main loop about
+40 % shorter at M = 4): timed with the split-K."""
 TILE_SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16, 32)
 """Split-K values timed for the W4A16 buckets (narrow N keeps gaining from more splits)."""
 

@@ -29,12 +29,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from coalesced_int4.kernels import family
+from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + M rounds |y| < 2**22 to even
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # the bits of M: bits(y + M) - bits(M) = round(y)
 _INVERSE_LIMIT = tl.constexpr(2.0**126)  # 1 / scale of a group of denormals overflows
+WORDS_PER_GROUP = tl.constexpr(12)
+"""A prequantized group of 32 activations (``_quantize_kernel``): 4 int32 words of its even-k
+bytes, 4 of its odd-k bytes (``_quantize_groups``' order), then its fp32 scale (as bits), its
+int32 sum and two zero words, so that each part is one aligned 16-byte load."""
 
 
 @triton.jit
@@ -120,13 +126,43 @@ def _quantize_groups(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _w4a8_row(
-    w_low, w_high, ws, wz, x_ptr, row, stride_xm, group_idx, group_mask,
-    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32. The row's
-    GROUPS x 32 activations (bf16, from L2) are quantized here, once per program and trip, so
-    a decode GEMM is one kernel; groups past the split read zeros and contribute nothing."""
+def _quantize_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, GROUPS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (block of GROUPS groups, row): bf16 activations -> ``WORDS_PER_GROUP`` int32
+    words a group of 32, the same values the GEMM's own quantization makes."""
+    row = tl.program_id(1)
+    group_idx = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    mask = (group_idx < K // 32)[:, None]
+    k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
+    v = tl.load(x_ptr + row * stride_xm + k, mask=mask, other=0.0)
+    even, odd, scale, sums = _quantize_groups(v.to(tl.float32), INTERPRET)
+    word = tl.arange(0, 4)[None, :]
+    meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None], tl.where(word == 1, sums[:, None], 0))
+    ptrs = out_ptr + row * stride_om + group_idx[:, None] * WORDS_PER_GROUP + word
+    tl.store(ptrs, even, mask=mask)
+    tl.store(ptrs + 4, odd, mask=mask)
+    tl.store(ptrs + 8, meta, mask=mask)
+
+
+QUANTIZE_GROUPS = 16
+"""Groups of 32 per ``_quantize_kernel`` program."""
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] -> int32 [M, K / 32 * WORDS_PER_GROUP], for the GEMM to read."""
+    m, k = x.shape
+    out = torch.empty((m, k // 32 * WORDS_PER_GROUP), dtype=torch.int32, device=x.device)
+    launch_or_queue(family.wrap_triton(_quantize_kernel), (triton.cdiv(k // 32, QUANTIZE_GROUPS), m),
+                    x, out, k, x.stride(0), out.stride(0), GROUPS=QUANTIZE_GROUPS,
+                    INTERPRET=family.INTERPRETER, num_warps=4)
+    return out
+
+
+@triton.jit
+def _quantized_row(x_ptr, row, stride_xm, group_idx, group_mask,
+                   GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """One activation row's trip, quantized here from bf16 (L2): its even-k and odd-k words
+    (``_group_words`` tuples), group sums and scales, broadcast to the weights' layout.
+    Groups past the split read zeros."""
     k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
     v = tl.load(x_ptr + row * stride_xm + k, mask=group_mask[:, None], other=0.0)
     even, odd, xs, asum = _quantize_groups(v.to(tl.float32), INTERPRET)
@@ -136,11 +172,67 @@ def _w4a8_row(
     x_even, x_odd = tl.split(tl.reshape(words, [BLOCK_N, 4 * GROUPS, 2]))
     per_group = tl.broadcast_to(tl.join(asum.to(tl.float32), xs)[None, :, :], [BLOCK_N, GROUPS, 2])
     asum_f, xs = tl.split(per_group)
+    return _group_words(x_even, GROUPS), _group_words(x_odd, GROUPS), asum_f, xs
+
+
+@triton.jit
+def _rows_alike(values, BLOCK_N: tl.constexpr):
+    return tl.broadcast_to(values[None, :], [BLOCK_N, values.shape[0]])
+
+
+@triton.jit
+def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group,
+                      GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_quantized_row`` from ``_quantize_kernel``'s words: every thread loads the words of
+    its own groups (16-byte loads, L1/L2 hits shared by the programs), in the layout of its
+    weight words, so nothing is exchanged. Groups past the split read zeros."""
+    cols = tl.arange(0, 4 * GROUPS)
+    group = g0 + cols // 4
+    ptrs = x_ptr + row * stride_xm + group * WORDS_PER_GROUP + cols % 4
+    mask = (group < end_group) & (row < M)
+    x_even = _group_words(_rows_alike(tl.load(ptrs, mask=mask, other=0), BLOCK_N), GROUPS)
+    x_odd = _group_words(_rows_alike(tl.load(ptrs + 4, mask=mask, other=0), BLOCK_N), GROUPS)
+    scale_bits, _, asum, _ = _group_words(_rows_alike(tl.load(ptrs + 8, mask=mask, other=0), BLOCK_N), GROUPS)
+    return x_even, x_odd, asum.to(tl.float32), scale_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w4a8_row(
+    w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32, from bf16
+    activations quantized here (once per program and trip, so a decode GEMM is one kernel)
+    or from int32 words that ``_quantize_kernel`` wrote (the pointer's type says which)."""
+    if x_ptr.dtype.element_ty == tl.int32:
+        x_even, x_odd, asum_f, xs = _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group, GROUPS, BLOCK_N)
+    else:
+        group_idx = g0 + tl.arange(0, GROUPS)
+        x_even, x_odd, asum_f, xs = _quantized_row(x_ptr, row, stride_xm, group_idx, group_idx < end_group,
+                                                   GROUPS, BLOCK_N, INTERPRET)
     # High nibbles are read in place (x16), so their sum is exact in 16ths: shifted down
     # before the low nibbles' products are chained onto it.
-    dot16 = _dot4(w_high, _group_words(x_odd, GROUPS), tl.zeros((BLOCK_N, GROUPS), tl.int32), INTERPRET)
-    dot = _dot4(w_low, _group_words(x_even, GROUPS), dot16 >> 4, INTERPRET).to(tl.float32)
+    dot16 = _dot4(w_high, x_odd, tl.zeros((BLOCK_N, GROUPS), tl.int32), INTERPRET)
+    dot = _dot4(w_low, x_even, dot16 >> 4, INTERPRET).to(tl.float32)
     return (dot - asum_f * wz) * (xs * ws)
+
+
+@triton.jit
+def _add_row(
+    acc, w_low, w_high, ws, wz, x_ptr, row: tl.constexpr, M, stride_xm, g0, end_group,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``acc`` plus row ``row``'s trip where row < M. Prequantized, a missing row reads zeros
+    instead of being branched around, so that every row's loads sit outside branches, where
+    Triton's pipeliner stages them in shared memory and reads them out in the dot products'
+    layout (in a branch, each would be loaded once per weight row a thread holds)."""
+    if x_ptr.dtype.element_ty == tl.int32:
+        acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
+                         GROUPS, BLOCK_N, INTERPRET)
+    elif M > row:
+        acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
+                         GROUPS, BLOCK_N, INTERPRET)
+    return acc
 
 
 @triton.jit
@@ -194,7 +286,6 @@ def _w4a8_kernel(
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
-    lanes = tl.arange(0, GROUPS)
     acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc1 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     acc2 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
@@ -213,29 +304,25 @@ def _w4a8_kernel(
             w, scale_codes, scale_steps, zero_codes, zero_steps = _load_trip(
                 q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
                 g0, end_group, GROUPS)
-        group_idx = g0 + lanes
-        group_mask = group_idx < end_group
         w_low = _group_words(w & 0x0F0F0F0F, GROUPS)
         w_high = _group_words(w & -252645136, GROUPS)  # 0xF0F0F0F0
         ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)
         wz = zero_codes.to(tl.float32) * zero_steps.to(tl.float32)
-        if BUCKET > 1:  # moved once to serve every row; a single row's products move instead
+        # Moved once to serve every row; a single quantized row's products move instead.
+        if BUCKET > 1 or x_ptr.dtype.element_ty == tl.int32:
             ws = _in_dot_layout(ws, GROUPS)
             wz = _in_dot_layout(wz, GROUPS)
-        acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, stride_xm, group_idx,
-                          group_mask, GROUPS, BLOCK_N, INTERPRET)
+        acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, M, stride_xm, g0, end_group,
+                          GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 1:
-            if M > 1:
-                acc1 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 1, stride_xm,
-                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+            acc1 = _add_row(acc1, w_low, w_high, ws, wz, x_ptr, 1, M, stride_xm, g0, end_group,
+                            GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 2:
-            if M > 2:
-                acc2 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 2, stride_xm,
-                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+            acc2 = _add_row(acc2, w_low, w_high, ws, wz, x_ptr, 2, M, stride_xm, g0, end_group,
+                            GROUPS, BLOCK_N, INTERPRET)
         if BUCKET > 3:
-            if M > 3:
-                acc3 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 3, stride_xm,
-                                  group_idx, group_mask, GROUPS, BLOCK_N, INTERPRET)
+            acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group,
+                            GROUPS, BLOCK_N, INTERPRET)
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:
@@ -254,10 +341,14 @@ def _store_row(ptrs, values, mask, PARTIAL: tl.constexpr, INTERPRET: tl.constexp
         tl.store(ptrs, values, mask=mask)
 
 
-def launch_w4a8(bucket, x, weights, *, split_k: int, kernel):
-    """Run ``kernel`` (the bucket's autotuner or a single-config one) on bf16 ``x``."""
+def launch_w4a8(bucket, x, weights, *, split_k: int, prequantize: bool, kernel):
+    """Run ``kernel`` (the bucket's autotuner or a single-config one) on bf16 ``x``,
+    quantized inside the GEMM or first by ``quantize_activations`` (``prequantize``)."""
+    m, k = x.shape
+    if prequantize:
+        x = quantize_activations(x)
     return launch_split_k_gemm(
-        kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
+        kernel, bucket=bucket, m=m, k=k, split_k=split_k,
         activations=(x,), activation_strides=(x.stride(0),), weights=weights,
         code_dtype=torch.int32,
     )

@@ -1,15 +1,17 @@
-"""Timing launch parameters (split-K) per shape: ``autotune_launch_param``.
+"""Timing launch parameters (split-K, prequantized activations) per shape:
+``autotune_launch_param``.
 
-A launcher decorated with ``@autotune_launch_param("split_k", candidates)`` runs with the
-first candidate, or the value passed explicitly, unless an ``autotune_launch_params()``
-context is active. Inside it, the first call for a shape times every candidate on random
+A launcher decorated with ``@autotune_launch_param(split_k=(1, 2, 4), prequantize=(False,
+True))`` runs with each parameter's first value, or the value passed explicitly, unless an
+``autotune_launch_params()`` context is active. Inside it, the first call for a shape times
+every combination of the values of the parameters not passed (a candidate) on random
 stand-ins of the arguments (real tensors even while tracing with fake ones): every candidate
 first queues its compiles into one pool (``compile_every_candidate_at_once``; where parallel
 compile is off they simply run), then each runs once (letting its Triton autotuner pick a
 config, timed in CUDA graphs on a side stream; an illegal one raises
 ``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
 graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
-value. The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
+values (the smaller split, then quantization inside the GEMM). The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
 scalar arguments), in memory and, on CUDA, in the persistent pick store, from which a later
 process restores it instead of timing; the context's ``LaunchParamStats`` records what
 happened.
@@ -22,10 +24,11 @@ import dataclasses
 import functools
 import gc
 import inspect
+import itertools
 import logging
 import statistics
 import threading
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
@@ -49,11 +52,13 @@ class InvalidLaunchParam(ValueError):
 
 @dataclasses.dataclass
 class LaunchParamPick:
+    """One timed decision. ``times_us`` and ``rejected`` are keyed by the tuple of a
+    candidate's values, in the order of ``params``; ``choice`` maps each to its value."""
     function: str
-    param: str
-    times_us: Dict[Any, float]
-    rejected: Dict[Any, str]
-    choice: Any
+    params: Tuple[str, ...]
+    times_us: Dict[Tuple[Any, ...], float]
+    rejected: Dict[Tuple[Any, ...], str]
+    choice: Dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -63,9 +68,9 @@ class LaunchParamStats:
     restored: int = 0  # picks read from the persistent cache instead of timed
     out_of_memory: int = 0
     picks: List[LaunchParamPick] = dataclasses.field(default_factory=list)  # the timed ones
-    choices: List[Any] = dataclasses.field(default_factory=list)
-    """The value each tuned launch ran with, in order, however it was decided (timed, cached
-    in this process, or restored from the persistent cache)."""
+    choices: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The launch parameters each tuned launch ran with, in order, however they were decided
+    (timed, cached in this process, restored from the persistent cache, or passed)."""
 
 
 _state = threading.local()
@@ -124,20 +129,29 @@ def _stand_in(value):
     return flat.as_strided(shape, stride)
 
 
-def autotune_launch_param(param: str, candidates: Sequence[Any]):
-    if not candidates:
-        raise ValueError("autotune_launch_param needs at least one candidate")
-    candidates = tuple(candidates)
+def autotune_launch_param(**space: Sequence[Any]):
+    """``@autotune_launch_param(split_k=(1, 2, 4), prequantize=(False, True))``: the launcher's
+    keyword parameters named here are launch parameters. A candidate is one value of each
+    parameter not passed explicitly (a dict); near ties go to the smaller candidate, compared
+    parameter by parameter in the order declared here."""
+    if not space:
+        raise ValueError("autotune_launch_param needs at least one parameter")
+    for param, values in space.items():
+        if not values:
+            raise ValueError(f"autotune_launch_param needs at least one candidate for {param}")
+    space = {param: tuple(values) for param, values in space.items()}
 
     def decorate(fn: Callable) -> Callable:
         name = f"{fn.__module__}.{fn.__qualname__}"
         signature = inspect.signature(fn)
-        if param not in signature.parameters:
-            raise TypeError(f"{name} has no parameter '{param}'")
+        for param in space:
+            if param not in signature.parameters:
+                raise TypeError(f"{name} has no parameter '{param}'")
         token = object()
 
-        def decide(stats, args, kwargs):
-            """The value to run with: this process's pick, a stored one, or one timed now."""
+        def decide(stats, free, args, kwargs):
+            """The candidate to run with: this process's pick, a stored one, or one timed now."""
+            candidates = [dict(zip(free, values)) for values in itertools.product(*(space[p] for p in free))]
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not tensors:
                 raise ValueError("autotune_launch_param needs a tensor argument to time on")
@@ -156,7 +170,7 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
                 if choice in candidates:
                     stats.restored += 1
                 else:
-                    choice = _measure(fn, name, param, candidates, args, kwargs, stats)
+                    choice = _measure(fn, name, free, candidates, args, kwargs, stats)
                     if choice is None:  # out of memory twice: untuned, not cached
                         return candidates[0]
                     if store is not None:
@@ -167,17 +181,22 @@ def autotune_launch_param(param: str, candidates: Sequence[Any]):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             stats = getattr(_state, "stats", None)
-            if param in kwargs or stats is None or len(candidates) == 1:
-                value = kwargs.pop(param, candidates[0])
+            free = tuple(p for p in space if p not in kwargs)
+            if stats is None or all(len(space[p]) == 1 for p in free):
+                values = {p: space[p][0] for p in free}
             else:
-                value = decide(stats, args, kwargs)
+                values = decide(stats, free, args, kwargs)
             if stats is not None:
-                stats.choices.append(value)
-            return fn(*args, **kwargs, **{param: value})
+                stats.choices.append({p: kwargs.get(p, values.get(p)) for p in space})
+            return fn(*args, **kwargs, **values)
 
         return wrapper
 
     return decorate
+
+
+def _describe(candidate: Dict[str, Any]) -> str:
+    return ", ".join(f"{param}={value}" for param, value in candidate.items())
 
 
 def time_call_us(call) -> float:
@@ -207,7 +226,7 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(fn, name, param, candidates, args, kwargs, stats):
+def _measure(fn, name, params, candidates, args, kwargs, stats):
     """Time every candidate; the pick, or None after running out of memory twice."""
     for _ in range(2):
         try:
@@ -218,34 +237,36 @@ def _measure(fn, name, param, candidates, args, kwargs, stats):
                 with _timing_stream(device):
                     legal, rejected = [], {}
                     with compile_every_candidate_at_once() as queued:
-                        for value in candidates:
+                        for candidate in candidates:
                             try:
-                                fn(*real_args, **{**real_kwargs, param: value})
-                                legal.append(value)
+                                fn(*real_args, **real_kwargs, **candidate)
+                                legal.append(candidate)
                             except InvalidLaunchParam as error:
-                                rejected[value] = str(error)
+                                rejected[tuple(candidate.values())] = str(error)
                     if not legal:
-                        raise ValueError(f"{name}: no legal {param} among {candidates}: {rejected}")
-                    for value in legal if queued else ():  # compiled above; now each one runs
-                        fn(*real_args, **{**real_kwargs, param: value})
-                    samples = {value: [] for value in legal}
+                        raise ValueError(f"{name}: no legal {', '.join(params)} among "
+                                         f"{[_describe(c) for c in candidates]}: {rejected}")
+                    for candidate in legal if queued else ():  # compiled above; now each one runs
+                        fn(*real_args, **real_kwargs, **candidate)
+                    samples = [[] for _ in legal]
                     for _ in range(ROUNDS):
-                        for value in legal:
-                            call = functools.partial(fn, *real_args, **{**real_kwargs, param: value})
-                            samples[value].append(time_call_us(call))
+                        for candidate, times in zip(legal, samples):
+                            times.append(time_call_us(functools.partial(fn, *real_args, **real_kwargs, **candidate)))
             break
         except torch.OutOfMemoryError:
             _free_memory()
     else:
-        logger.warning("%s: out of device memory while timing %s candidates; using %s=%s",
-                       name, param, param, candidates[0])
+        logger.warning("%s: out of device memory while timing %s candidates; using %s",
+                       name, ", ".join(params), _describe(candidates[0]))
         stats.out_of_memory += 1
         return None
-    times = {value: statistics.median(t) for value, t in samples.items()}
-    fastest = min(times.values())
-    choice = min(value for value, t in times.items() if t <= fastest * TIE_RATIO)
+    medians = [statistics.median(times) for times in samples]
+    fastest = min(medians)
+    choice = min((c for c, t in zip(legal, medians) if t <= fastest * TIE_RATIO),
+                 key=lambda c: tuple(c.values()))
+    times_us = {tuple(c.values()): t for c, t in zip(legal, medians)}
     stats.measured += 1
-    stats.picks.append(LaunchParamPick(name, param, times, rejected, choice))
-    logger.info("%s: %s=%s (%s)", name, param, choice,
-                ", ".join(f"{v}: {t:.1f} us" for v, t in times.items()))
+    stats.picks.append(LaunchParamPick(name, params, times_us, rejected, choice))
+    logger.info("%s: %s (%s)", name, _describe(choice),
+                "; ".join(f"{_describe(c)}: {t:.1f} us" for c, t in zip(legal, medians)))
     return choice

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from coalesced_int4.kernels import BUCKET_KERNELS, SUPPORTED_BUCKETS, autotune_launch_params, launch
+from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -52,30 +52,9 @@ def hbm_read_bandwidth() -> float:
 
 
 def time_calls(calls: List[Callable[[], object]], min_calls: int = MIN_CALLS) -> float:
-    """Microseconds per call of a CUDA graph that cycles through ``calls``."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    rounds = max(1, math.ceil(min_calls / len(calls)))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(rounds):
-            for call in calls:
-                call()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / (rounds * len(calls)))
-    graph.reset()
-    return statistics.median(samples)
+    """Microseconds per call of a CUDA graph that cycles through ``calls`` (the autotuner's
+    own measure of launch parameters)."""
+    return time_back_to_back_us(calls, min_calls=min_calls)
 
 
 def copies_for(bytes_per_copy: float) -> int:

@@ -29,7 +29,7 @@ COST = {1: 12.0, 2: 6.0, 4: 1.0, 8: 3.0, 16: 24.0}
 def fake_timer(monkeypatch):
     """The timer reports each call's cost: the ``cost`` attribute of what the call returns."""
     clear_launch_param_cache()
-    monkeypatch.setattr(launch_params, "time_call_us", lambda call: call().cost)
+    monkeypatch.setattr(launch_params, "time_calls_us", lambda calls: calls[0]().cost)
     yield
     clear_launch_param_cache()
 
@@ -534,7 +534,7 @@ def test_split_k_timing_behind_the_one_pool_prepass_gives_the_reference_result()
             queued.append(dict(zip(autotuner.arg_names, args))["split_k"])
         return real_queue(autotuner, args, kwargs)
 
-    with mock.patch.object(launch_params, "time_call_us", lambda call: (call(), 1.0)[1]), \
+    with mock.patch.object(launch_params, "time_calls_us", lambda calls: (calls[0](), 1.0)[1]), \
             mock.patch.object(tuner, "parallel_compile_available", return_value=True), \
             mock.patch.object(tuner, "_queue_compiles", recording), \
             autotune_launch_params() as stats:

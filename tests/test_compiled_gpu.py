@@ -78,8 +78,8 @@ def test_a_prequantized_pick_runs_compiled_in_cuda_graphs_with_eager_bits(tmp_pa
     """When the timing prefers quantizing the activations by a kernel of their own, the
     compiled code launches that kernel before the GEMM and gives eager's bits."""
     monkeypatch.setenv("COALESCED_INT4_CACHE_DIR", str(tmp_path))  # nothing restored
-    monkeypatch.setattr(launch_params, "time_call_us",
-                        lambda call: 1.0 if call.keywords["prequantize"] else 2.0)
+    monkeypatch.setattr(launch_params, "time_calls_us",
+                        lambda calls: 1.0 if calls[0].keywords["prequantize"] else 2.0)
     clear_launch_param_cache()
     torch._dynamo.reset()
     weight = ci4.CudaCoalescedInt4Tensor.from_float(torch.randn(512, 1024, device="cuda"))

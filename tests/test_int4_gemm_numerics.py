@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coalesced_int4.kernels import InvalidLaunchParam, family, int4_autotune_configs, launch, prune_int4_configs
+from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.rules import int4_config
 from coalesced_int4.kernels.split_k import split_bounds
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations

@@ -1,4 +1,4 @@
-"""Device time of one call, measured from a CUDA graph so the CPU cannot distort it.
+"""Device time of calls, measured from CUDA graphs so the CPU cannot distort it.
 
 Event timings of a few-microsecond kernel are bimodal when every CPU core is busy (an
 Inductor compile, say): the host falls behind and the launch gap lands inside the interval.
@@ -10,12 +10,20 @@ The flush reads twice the L2 rather than writing it: a written flush leaves the 
 dirty lines that the timed kernel must write back to HBM while it streams its weights (up to
 about 13 us of extra traffic on the H200), which a decode GEMM never pays in a model, where
 the L2 holds clean lines of the previous layer.
+
+``time_back_to_back_us(calls)`` times the calls the way a model's layers run in a graph: one
+after another with no flush between them, each reading its own copy of the data (copies that
+together exceed the L2 come from HBM). A launch of several kernels (split-K's reduction, the
+activations' quantization) pays its extra launches here as it does in a model; timed alone
+between events, each extra kernel reads about a microsecond longer than back to back, which
+on a microsecond-sized GEMM is enough to rank its candidates differently.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+import statistics
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -66,5 +74,36 @@ def time_with_cuda_graph_us(fn: Callable[[], object]) -> float:
         graph.replay()
         events[-1][1].synchronize()
         return min(before.elapsed_time(after) for before, after in events) * 1000.0
+    finally:
+        graph.reset()
+
+
+def time_back_to_back_us(calls: Sequence[Callable[[], object]], min_calls: int = 300, samples: int = 5) -> float:
+    """Microseconds per call of a CUDA graph that runs ``calls`` in turn, back to back, at
+    least ``min_calls`` calls in all (median of ``samples`` replays). Captured on a stream of
+    its own, so any stream may call it."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    rounds = max(1, math.ceil(min_calls / len(calls)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(rounds):
+                for call in calls:
+                    call()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / (rounds * len(calls)))
+        return statistics.median(times)
     finally:
         graph.reset()

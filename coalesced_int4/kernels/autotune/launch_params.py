@@ -9,10 +9,12 @@ stand-ins of the arguments (real tensors even while tracing with fake ones): eve
 first queues its compiles into one pool (``compile_every_candidate_at_once``; where parallel
 compile is off they simply run), then each runs once (letting its Triton autotuner pick a
 config, timed in CUDA graphs on a side stream; an illegal one raises
-``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed in CUDA
-graphs and the candidate with the smallest median wins, ties within 2 % going to the smaller
-values (the smaller split, then quantization inside the GEMM). The pick is cached per (decorated function, GPU, argument shapes/strides/dtypes and
-scalar arguments), in memory and, on CUDA, in the persistent pick store, from which a later
+``InvalidLaunchParam`` and is skipped), then ``ROUNDS`` interleaved rounds are timed, each a
+CUDA graph of the candidate run back to back over copies of the stand-ins that exceed twice
+the L2 (as a model's layers run: ``time_back_to_back_us``), and the candidate with the
+smallest median wins, ties within 2 % going to the smaller values (the smaller split, then
+quantization inside the GEMM). The pick is cached per (decorated function, GPU, argument
+shapes/strides/dtypes and scalar arguments), in memory and, on CUDA, in the persistent pick store, from which a later
 process restores it instead of timing; the context's ``LaunchParamStats`` records what
 happened.
 """
@@ -26,6 +28,7 @@ import gc
 import inspect
 import itertools
 import logging
+import math
 import statistics
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -35,7 +38,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from coalesced_int4.kernels.autotune.cuda_graph_timing import time_with_cuda_graph_us
+from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
 from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
 from coalesced_int4.kernels.autotune.persistent import PickStore
 from coalesced_int4.kernels.autotune.tuner import compile_every_candidate_at_once
@@ -44,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 ROUNDS = 3
 TIE_RATIO = 1.02
+ROTATION_CALLS = 200
+"""Calls in one timed graph of a candidate (its copies in turn, repeated)."""
 
 
 class InvalidLaunchParam(ValueError):
@@ -199,9 +204,25 @@ def _describe(candidate: Dict[str, Any]) -> str:
     return ", ".join(f"{param}={value}" for param, value in candidate.items())
 
 
-def time_call_us(call) -> float:
-    """Device time of one call of ``call``, in microseconds (tests replace this)."""
-    return time_with_cuda_graph_us(call)
+def time_calls_us(calls) -> float:
+    """Device microseconds per call of ``calls`` (one candidate on each copy of its arguments)
+    run back to back (tests replace this)."""
+    return time_back_to_back_us(calls, min_calls=ROTATION_CALLS, samples=1)
+
+
+def _copies_beyond_l2(args, kwargs, device: torch.device) -> list:
+    """``(args, kwargs)`` and enough random copies of their tensors that together they exceed
+    twice the L2, so that a rotation over them reads every call's data from HBM (one set
+    where there is no L2 to defeat)."""
+    sets = [(args, kwargs)]
+    if device.type != "cuda":
+        return sets
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    size = max(1, sum(t.numel() * t.element_size() for t in tensors))
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    for _ in range(math.ceil(2 * l2_bytes / size)):
+        sets.append(([_stand_in(a) for a in args], {k: _stand_in(v) for k, v in kwargs.items()}))
+    return sets
 
 
 @contextlib.contextmanager
@@ -235,6 +256,7 @@ def _measure(fn, name, params, candidates, args, kwargs, stats):
                 real_kwargs = {k: _stand_in(v) for k, v in kwargs.items()}
                 device = next(a for a in real_args if isinstance(a, torch.Tensor)).device
                 with _timing_stream(device):
+                    copies = _copies_beyond_l2(real_args, real_kwargs, device)
                     legal, rejected = [], {}
                     with compile_every_candidate_at_once() as queued:
                         for candidate in candidates:
@@ -251,7 +273,8 @@ def _measure(fn, name, params, candidates, args, kwargs, stats):
                     samples = [[] for _ in legal]
                     for _ in range(ROUNDS):
                         for candidate, times in zip(legal, samples):
-                            times.append(time_call_us(functools.partial(fn, *real_args, **real_kwargs, **candidate)))
+                            times.append(time_calls_us([functools.partial(fn, *a, **kw, **candidate)
+                                                        for a, kw in copies]))
             break
         except torch.OutOfMemoryError:
             _free_memory()

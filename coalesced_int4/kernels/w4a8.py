@@ -12,14 +12,19 @@ zero points are applied once per group of 32 in fp32:
     asum_g  = sum_{i<32} qa[m, 32g+i]
     ws_g    = sc[n,g] * ss[n,g//8]   wz_g = zc[n,g] * zs[n,g//8]   (fp32)
 
-One kernel, ``_w4a8_kernel``: each program owns ``BLOCK_N`` weight rows and walks its split of
-K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32 words. It
-quantizes the trip's activations itself (``_quantize_groups``: per 32, an fp32 scale and an
-int32 sum), from bf16 values that every program of the launch reads from L2, and reuses the
-int8 words for all the weight rows it holds: a separate quantization kernel would cost a
-launch and a GPU fill and drain, a large share of a decode GEMM's few microseconds (measured:
-6.2 -> 4.7 us at M = 1 on 256x6656). One fp32 accumulator per activation row (up to 4), one
-partial sum per group lane, reduced across lanes once at the end.
+The GEMM, ``_w4a8_kernel``: each program owns ``BLOCK_N`` weight rows and walks its split of
+K ``GROUPS`` groups at a time, loading each group's 16 bytes of codes as four int32 words. Its
+activations arrive one of two ways, the same bits either way (``launch_w4a8``'s
+``prequantize``, timed per shape with the split-K):
+- bf16: each program quantizes the trip's activations itself (``_quantize_groups``: per 32,
+  an fp32 scale and an int32 sum) and reuses the int8 words for all the weight rows it holds.
+  One launch, which wins where a second launch's fill and drain is a large share of the GEMM
+  (M = 1 on most shapes: 256x6656 6.2 -> 4.7 us against a separate kernel in session 3);
+- int32 words of ``_quantize_kernel``, quantized once for every program: the per-row
+  quantization and its exchanges leave the main loop (bucket 4: 6.09 -> 3.55 instructions a
+  weight), which wins at M = 2-4 on all but the smallest shapes.
+One fp32 accumulator per activation row (up to 4), one partial sum per group lane, reduced
+across lanes once at the end.
 """
 
 from __future__ import annotations

@@ -188,9 +188,10 @@ def _rows_alike(values, BLOCK_N: tl.constexpr):
 @triton.jit
 def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group,
                       GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_quantized_row`` from ``_quantize_kernel``'s words: every thread loads the words of
-    its own groups (16-byte loads, L1/L2 hits shared by the programs), in the layout of its
-    weight words, so nothing is exchanged. Groups past the split read zeros."""
+    """``_quantized_row`` from ``_quantize_kernel``'s words (groups past the split, and rows
+    >= M, read zeros). Each part is loaded once as a row vector and broadcast to the weight
+    rows: outside branches (``_add_row``), the pipeliner stages these loads in shared memory
+    and reads them out straight into the dot products' layout, so nothing is exchanged."""
     cols = tl.arange(0, 4 * GROUPS)
     group = g0 + cols // 4
     ptrs = x_ptr + row * stride_xm + group * WORDS_PER_GROUP + cols % 4
@@ -271,7 +272,8 @@ def _w4a8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
-    Row strides: activations (xm), weight code words (qn), codes (cn) and steps (sn). They
+    ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (compiled
+    apart: the pointer's type is part of the signature). Row strides: activations (xm), weight code words (qn), codes (cn) and steps (sn). They
     are passed apart from K so that Triton's divisibility specialization proves the 16-byte
     alignment of every row.
 

@@ -14,9 +14,9 @@ CUDA graph of the candidate run back to back over copies of the stand-ins that e
 the L2 (as a model's layers run: ``time_back_to_back_us``), and the candidate with the
 smallest median wins, ties within 2 % going to the smaller values (the smaller split, then
 quantization inside the GEMM). The pick is cached per (decorated function, GPU, argument
-shapes/strides/dtypes and scalar arguments), in memory and, on CUDA, in the persistent pick store, from which a later
-process restores it instead of timing; the context's ``LaunchParamStats`` records what
-happened.
+shapes/strides/dtypes and scalar arguments), in memory and, on CUDA, in the persistent pick
+store, from which a later process restores it instead of timing; the context's
+``LaunchParamStats`` records what happened.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,6 @@ MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
 M_VALUES = (1, 2, 3, 4, 8, 16, 32, 64)
 INT4_BYTES_PER_WEIGHT = 4.625 / 8
-MIN_CALLS = 300
 
 
 def bucket_for(m: int) -> int:
@@ -47,14 +46,8 @@ def hbm_read_bandwidth() -> float:
     data = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16).view(-1, 2**20)
     out = torch.empty(data.shape[0], device="cuda", dtype=torch.float32)
     fn = lambda: torch.sum(data, dim=1, out=out)  # noqa: E731
-    us = time_calls([fn], min_calls=20)
+    us = time_back_to_back_us([fn], min_calls=20)
     return data.numel() * data.element_size() / (us * 1e-6)
-
-
-def time_calls(calls: List[Callable[[], object]], min_calls: int = MIN_CALLS) -> float:
-    """Microseconds per call of a CUDA graph that cycles through ``calls`` (the autotuner's
-    own measure of launch parameters)."""
-    return time_back_to_back_us(calls, min_calls=min_calls)
 
 
 def copies_for(bytes_per_copy: float) -> int:
@@ -95,7 +88,7 @@ def bench_ours(n, k, ms, results):
         bucket = bucket_for(m)
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         params = tuned_launch_params(bucket, x, copies[0])
-        us = time_calls([lambda w=w: launch(bucket, x, *w, 32, **params) for w in copies])
+        us = time_back_to_back_us([lambda w=w: launch(bucket, x, *w, 32, **params) for w in copies])
         results[(n, k, m)].update(ours_us=us, **params, config=last_config(bucket), bucket=bucket)
     del copies
 
@@ -105,7 +98,7 @@ def bench_bf16(n, k, ms, results):
                for _ in range(copies_for(n * k * 2))]
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["bf16_us"] = time_calls([lambda w=w: F.linear(x, w) for w in weights])
+        results[(n, k, m)]["bf16_us"] = time_back_to_back_us([lambda w=w: F.linear(x, w) for w in weights])
     del weights
 
 
@@ -118,7 +111,7 @@ def bench_tinygemm(n, k, ms, results):
         copies.append((packed, scales_zeros))
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["tinygemm_us"] = time_calls(
+        results[(n, k, m)]["tinygemm_us"] = time_back_to_back_us(
             [lambda p=p, s=s: torch.ops.aten._weight_int4pack_mm(x, p, 32, s) for p, s in copies])
     del copies
 
@@ -137,7 +130,7 @@ def bench_gemlite(n, k, ms, results):
         layers.append(layer)
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["gemlite_us"] = time_calls([lambda l=l: l(x) for l in layers])
+        results[(n, k, m)]["gemlite_us"] = time_back_to_back_us([lambda l=l: l(x) for l in layers])
     del layers
 
 

@@ -52,7 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     constants = {"PARTIAL": args.partial, "BUCKET": args.bucket, "BLOCK_N": args.block_n, "GROUPS": args.groups,
                  "STAGES": args.stages, "PREFETCH": args.prefetch, "INTERPRET": False}
     names = list(inspect.signature(_w4a8_kernel.fn).parameters)
-    pointers = {**POINTERS, "x_ptr": "*i32"} if args.prequantized else POINTERS
+    pointers = {**POINTERS, **({"x_ptr": "*i32"} if args.prequantized else {}),
+                **({"out_ptr": "*fp32"} if args.partial else {})}  # split-K writes fp32 partials
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
     source = ASTSource(_w4a8_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)

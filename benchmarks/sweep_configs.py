@@ -22,9 +22,10 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, time_calls, tuned_launch_params, INT4_BYTES_PER_WEIGHT  # noqa: I001
+from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, tuned_launch_params, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
 from coalesced_int4.kernels import check_split_k, launch
+from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
 from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES,
                                           W4A8_BUCKETS, int4_config)
 
@@ -106,13 +107,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 try:
                     check_split_k(split, k)
                     config = int4_config(**entry)
-                    us = time_calls([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config, **variant)
+                    us = time_back_to_back_us([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config, **variant)
                                      for w in copies])
                 except Exception:  # illegal split or a config that failed to compile
                     continue
                 times.append({"us": us, "split": split, **variant, **entry})
             pick = tuned_launch_params(bucket, x, copies[0])
-            pick_us = time_calls([lambda w=w: launch(bucket, x, *w, 32, **pick) for w in copies])
+            pick_us = time_back_to_back_us([lambda w=w: launch(bucket, x, *w, 32, **pick) for w in copies])
             pick_config = last_config(bucket)
             times.sort(key=lambda t: t["us"])
             rows.append({"N": n, "K": k, "M": m, "pick_us": pick_us, "pick_params": pick,

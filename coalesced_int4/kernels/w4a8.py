@@ -163,13 +163,14 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _quantized_row(x_ptr, row, stride_xm, group_idx, group_mask,
+def _quantized_row(x_ptr, row, stride_xm, g0, end_group,
                    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     """One activation row's trip, quantized here from bf16 (L2): its even-k and odd-k words
     (``_group_words`` tuples), group sums and scales, broadcast to the weights' layout.
     Groups past the split read zeros."""
+    group_idx = g0 + tl.arange(0, GROUPS)
     k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
-    v = tl.load(x_ptr + row * stride_xm + k, mask=group_mask[:, None], other=0.0)
+    v = tl.load(x_ptr + row * stride_xm + k, mask=(group_idx < end_group)[:, None], other=0.0)
     even, odd, xs, asum = _quantize_groups(v.to(tl.float32), INTERPRET)
     # Everything per group of the row is broadcast to the weights' layout in two exchanges
     # (the int8 words; the sum and scale), then split like the weight words.
@@ -205,17 +206,16 @@ def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group,
 @triton.jit
 def _w4a8_row(
     w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32, from bf16
     activations quantized here (once per program and trip, so a decode GEMM is one kernel)
-    or from int32 words that ``_quantize_kernel`` wrote (the pointer's type says which)."""
-    if x_ptr.dtype.element_ty == tl.int32:
+    or from int32 words that ``_quantize_kernel`` wrote (``PREQUANTIZED``)."""
+    if PREQUANTIZED:
         x_even, x_odd, asum_f, xs = _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group, GROUPS, BLOCK_N)
     else:
-        group_idx = g0 + tl.arange(0, GROUPS)
-        x_even, x_odd, asum_f, xs = _quantized_row(x_ptr, row, stride_xm, group_idx, group_idx < end_group,
-                                                   GROUPS, BLOCK_N, INTERPRET)
+        x_even, x_odd, asum_f, xs = _quantized_row(x_ptr, row, stride_xm, g0, end_group, GROUPS, BLOCK_N,
+                                                   INTERPRET)
     # High nibbles are read in place (x16), so their sum is exact in 16ths: shifted down
     # before the low nibbles' products are chained onto it.
     dot16 = _dot4(w_high, x_odd, tl.zeros((BLOCK_N, GROUPS), tl.int32), INTERPRET)
@@ -226,18 +226,18 @@ def _w4a8_row(
 @triton.jit
 def _add_row(
     acc, w_low, w_high, ws, wz, x_ptr, row: tl.constexpr, M, stride_xm, g0, end_group,
-    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """``acc`` plus row ``row``'s trip where row < M. Prequantized, a missing row reads zeros
     instead of being branched around, so that every row's loads sit outside branches, where
     Triton's pipeliner stages them in shared memory and reads them out in the dot products'
     layout (in a branch, each would be loaded once per weight row a thread holds)."""
-    if x_ptr.dtype.element_ty == tl.int32:
+    if PREQUANTIZED:
         acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-                         GROUPS, BLOCK_N, INTERPRET)
+                         GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
     elif M > row:
         acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-                         GROUPS, BLOCK_N, INTERPRET)
+                         GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
     return acc
 
 
@@ -272,10 +272,11 @@ def _w4a8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
-    ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (compiled
-    apart: the pointer's type is part of the signature). Row strides: activations (xm), weight code words (qn), codes (cn) and steps (sn). They
-    are passed apart from K so that Triton's divisibility specialization proves the 16-byte
-    alignment of every row.
+    ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (the pointer's
+    type is part of the signature, so each compiles apart; ``PREQUANTIZED`` below is read
+    from it). Row strides: activations (xm), weight code words (qn), codes (cn) and steps
+    (sn). They are passed apart from K so that Triton's divisibility specialization proves
+    the 16-byte alignment of every row.
 
     BLOCK_N: weight rows (outputs) per program. GROUPS: groups of 32 per main-loop trip.
     STAGES: software-pipelining depth of the main loop. PREFETCH: hold the next trip's
@@ -285,6 +286,7 @@ def _w4a8_kernel(
     (inline PTX otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1)
     instead of bf16 outputs.
     """
+    PREQUANTIZED: tl.constexpr = x_ptr.dtype.element_ty == tl.int32
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -316,20 +318,20 @@ def _w4a8_kernel(
         ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)
         wz = zero_codes.to(tl.float32) * zero_steps.to(tl.float32)
         # Moved once to serve every row; a single quantized row's products move instead.
-        if BUCKET > 1 or x_ptr.dtype.element_ty == tl.int32:
+        if BUCKET > 1 or PREQUANTIZED:
             ws = _in_dot_layout(ws, GROUPS)
             wz = _in_dot_layout(wz, GROUPS)
         acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, M, stride_xm, g0, end_group,
-                          GROUPS, BLOCK_N, INTERPRET)
+                          GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
         if BUCKET > 1:
             acc1 = _add_row(acc1, w_low, w_high, ws, wz, x_ptr, 1, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, INTERPRET)
+                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
         if BUCKET > 2:
             acc2 = _add_row(acc2, w_low, w_high, ws, wz, x_ptr, 2, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, INTERPRET)
+                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
         if BUCKET > 3:
             acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, INTERPRET)
+                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:

@@ -156,7 +156,6 @@ def autotune_launch_param(**space: Sequence[Any]):
 
         def decide(stats, free, args, kwargs):
             """The candidate to run with: this process's pick, a stored one, or one timed now."""
-            candidates = [dict(zip(free, values)) for values in itertools.product(*(space[p] for p in free))]
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not tensors:
                 raise ValueError("autotune_launch_param needs a tensor argument to time on")
@@ -169,6 +168,7 @@ def autotune_launch_param(**space: Sequence[Any]):
                 if key in _cache:
                     stats.cache_hits += 1
                     return _cache[key]
+                candidates = [dict(zip(free, values)) for values in itertools.product(*(space[p] for p in free))]
                 store = PickStore("launch_params", device_name) if device.type == "cuda" else None
                 stored_key = [name, *key[2:]]
                 choice = store.get(stored_key) if store is not None else None

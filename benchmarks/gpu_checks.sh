@@ -34,7 +34,7 @@ for step in $steps; do
   case $step in
     tests)
       timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider --durations=15 \
-        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py \
+        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py tests/test_decode_attention.py \
         tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;

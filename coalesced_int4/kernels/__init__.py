@@ -1,5 +1,6 @@
 """Triton INT4 GEMMs for decode-sized M, the ``coalesced_int4`` torch ops that run them, and
-their autotuning. ``INT4_QUANTIZED_GEMM.op(b)`` is the op of bucket ``b``."""
+their autotuning. ``INT4_QUANTIZED_GEMM.op(b)`` is the op of bucket ``b``. Also here, for the
+built-in decoder: ``decode_attention``, one new token's attention over a KV cache."""
 
 from coalesced_int4.kernels.autotune.launch_params import (
     InvalidLaunchParam,

@@ -1,9 +1,11 @@
 """A small Llama-style decoder for the demo and the decode benchmark (gpt-fast style).
 
 RMSNorm, rotary attention with grouped KV heads and a static bf16 KV cache, SwiGLU MLP, tied
-nothing. On CUDA a decode step's attention (one new token) runs ``decode_attention``, a
-Triton kernel for one query row; prefill and CPU runs use ``F.scaled_dot_product_attention``. Every linear has K a multiple of 256 so all of them quantize. Weights are random and
-seeded: the model is for measuring speed and agreement, not for reading its text.
+nothing. On CUDA a decode step's attention (one new token, a cache of up to 512 positions)
+runs ``decode_attention``, a Triton kernel for one query row; prefill, longer caches and CPU
+runs use ``F.scaled_dot_product_attention``. Every linear has K a multiple of 256 so all of
+them quantize. Weights are random and seeded: the model is for measuring speed and
+agreement, not for reading its text.
 
 ``generate(model, prompt, new_tokens)`` runs one prefill step and then one decode step per
 token (greedy); ``decode_step`` is the function to compile.
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coalesced_int4.kernels.decode_attention import decode_attention
+from coalesced_int4.kernels import decode_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +99,10 @@ class Attention(nn.Module):
         k = apply_rope(k.view(batch, seq, c.n_kv_heads, c.head_dim), rope).transpose(1, 2)
         v = v.view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
         k, v = self.kv_cache.update(positions, k, v)
-        if seq == 1 and x.is_cuda:
+        if decode_attention.serves(seq, k):
             # The decode step: the causal mask's row is "positions <= positions[0]", which
             # the kernel applies from the position itself.
-            out = decode_attention(q[:, :, 0], k, v, positions)
+            out = decode_attention.decode_attention(q[:, :, 0], k, v, positions)
             return self.wo(out.reshape(batch, seq, c.dim))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=c.n_heads != c.n_kv_heads

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coalesced_int4.kernels.decode_attention import BLOCK_POSITIONS, decode_attention
+from coalesced_int4.kernels.decode_attention import BLOCK_POSITIONS, MAX_CACHE_POSITIONS, decode_attention, serves
 from tests.conftest import requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,3 +95,15 @@ def test_compiled_decode_attention_gives_eager_bits():
     out, code = torch._inductor.utils.run_and_get_code(compiled, q, k, v, position)
     assert "_decode_attention_kernel" in "\n".join(code)
     assert torch.equal(out, decode_attention(q, k, v, position))
+
+
+def test_the_decoder_sends_only_one_token_steps_on_measured_caches_to_the_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a CUDA cache's metadata, without a GPU
+        cache = torch.empty(1, 8, MAX_CACHE_POSITIONS, 128, dtype=torch.bfloat16, device="cuda")
+        longer = torch.empty(1, 8, MAX_CACHE_POSITIONS + 1, 128, dtype=torch.bfloat16, device="cuda")
+        assert serves(1, cache)
+        assert not serves(2, cache)  # prefill
+        assert not serves(1, longer)
+    assert not serves(1, torch.empty(1, 8, 64, 128))  # CPU

@@ -11,9 +11,10 @@
 #   profile         Nsight Compute counters of tuned launches
 #   autotune        cold and warm tuning benchmark
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3)
+#   attention       decode attention against SDPA
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile] [attention]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -82,6 +83,9 @@ for step in $steps; do
       timeout "${DECODE_PROFILE_S:-300}" python benchmarks/profile_decode.py --methods "${DECODE_METHODS:-ours,bf16}" \
         --batch "${BATCH:-1}" > "$out/decode-profile.log" 2>&1
       grep -E "^\||^#|failed|Error" "$out/decode-profile.log" | tail -60 ;;
+    attention)
+      timeout "${ATTENTION_S:-240}" python benchmarks/bench_attention.py > "$out/attention.log" 2>&1
+      grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
         --batches "${BATCHES:-1,4,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" \

@@ -4,7 +4,8 @@
 bf16``: each query head h attends to cache positions ``0..position`` of its KV head
 ``h // (H // KVH)`` (grouped-query attention), softmax scaled by ``1 / sqrt(D)``, exactly the
 causal attention of a query at ``position``. The position is read on the device, so a CUDA
-graph of a decode step replays it at every position.
+graph of a decode step replays it at every position; for the same reason it is not checked
+against the cache: it must be below S (the decoder's cache write fails first otherwise).
 
 One program per (sequence, KV head) holds all of that head's query heads as the rows of one
 tensor-core tile, so each cached key and value is read once, and streams the cache in blocks

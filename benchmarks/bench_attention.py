@@ -2,10 +2,10 @@
 with the causal mask's row, at Llama-3-8B's heads (32 query, 8 KV, head size 128), per batch,
 cache length and query position.
 
-Method (as bench_gemm's): each call reads its own layer's cache, 32 caches in turn, in a CUDA
-graph of at least 300 calls run back to back (the caches exceed the L2 from batch 1 at 512
-positions), median of 5 replays, µs per call; the max abs difference of the two outputs is
-printed beside.
+Method (bench_gemm's): each call reads its own layer's cache, at least 32 caches and enough
+that together they exceed twice the L2 (``copies_for``), in turn in a CUDA graph of at least
+300 calls run back to back, median of 5 replays, µs per call; the max abs difference of the
+two outputs is printed beside.
 
     python benchmarks/bench_attention.py [--batches 1,4,16] [--caches 512] [--positions 143,511]
 """
@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from bench_gemm import copies_for  # this script's folder is on sys.path
 
 from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
 from coalesced_int4.kernels.decode_attention import decode_attention
@@ -32,30 +33,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--positions", default="143,511")
     args = parser.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| batch | cache | position | ours µs | SDPA µs | SDPA / ours | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
-    stream = torch.cuda.Stream()  # graphs cannot be captured on the legacy default stream
-    with torch.cuda.stream(stream):
-        for batch in map(int, args.batches.split(",")):
-            for cache in map(int, args.caches.split(",")):
-                layers = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-                           for shape in ((batch, HEADS, HEAD_DIM),) + ((batch, KV_HEADS, cache, HEAD_DIM),) * 2]
-                          for _ in range(LAYERS)]
-                for position in (p for p in map(int, args.positions.split(",")) if p < cache):
-                    at = torch.tensor([position], device="cuda")
-                    mask = (torch.arange(cache, device="cuda") <= position)[None, None, None]
+    print("| batch | cache | position | caches rotated | ours µs | SDPA µs | SDPA / ours | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in map(int, args.batches.split(",")):
+        for cache in map(int, args.caches.split(",")):
+            kv_shape = (batch, KV_HEADS, cache, HEAD_DIM)
+            count = max(LAYERS, copies_for(2 * 2 * batch * KV_HEADS * cache * HEAD_DIM))  # k and v, bf16
+            layers = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                       for shape in ((batch, HEADS, HEAD_DIM), kv_shape, kv_shape)] for _ in range(count)]
+            for position in (p for p in map(int, args.positions.split(",")) if p < cache):
+                at = torch.tensor([position], device="cuda")
+                mask = (torch.arange(cache, device="cuda") <= position)[None, None, None]
 
-                    def ours(q, k, v):
-                        return decode_attention(q, k, v, at)
+                def ours(q, k, v):
+                    return decode_attention(q, k, v, at)
 
-                    def sdpa(q, k, v):
-                        return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+                def sdpa(q, k, v):
+                    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
 
-                    diff = (ours(*layers[0]).float() - sdpa(*layers[0])[:, :, 0].float()).abs().max().item()
-                    ours_us, sdpa_us = (time_back_to_back_us([lambda layer=layer, f=f: f(*layer) for layer in layers])
-                                        for f in (ours, sdpa))
-                    print(f"| {batch} | {cache} | {position} | {ours_us:.1f} | {sdpa_us:.1f} | {sdpa_us / ours_us:.2f}x | {diff:.4f} |", flush=True)
-                del layers
+                diff = (ours(*layers[0]).float() - sdpa(*layers[0])[:, :, 0].float()).abs().max().item()
+                ours_us, sdpa_us = (time_back_to_back_us([lambda layer=layer, f=f: f(*layer) for layer in layers])
+                                    for f in (ours, sdpa))
+                print(f"| {batch} | {cache} | {position} | {count} | {ours_us:.1f} | {sdpa_us:.1f} | "
+                      f"{sdpa_us / ours_us:.2f}x | {diff:.4f} |", flush=True)
+            del layers
     return 0
 
 

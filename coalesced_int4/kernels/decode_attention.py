@@ -10,8 +10,9 @@ against the cache: it must be below S (the decoder's cache write fails first oth
 One program per (sequence, KV head) holds all of that head's query heads as the rows of one
 tensor-core tile, so each cached key and value is read once, and streams the cache in blocks
 of ``BLOCK_POSITIONS`` with an online softmax (fp32 running max, sum and output). On the
-H200 at batch 1 it takes 4.7 µs per layer where cuDNN's SDPA, which PyTorch picks for a
-one-row query with a boolean mask, took 12.2 (docs/design.md, "Decode attention").
+H200 at batch 1 it took 4.7 µs per layer where cuDNN's SDPA, which PyTorch picks for a
+one-row query with a boolean mask, took 12.2, in an A/B whose caches partly fit the L2; the
+decode step gained about 5.8 µs a layer (docs/design.md, "Decode attention").
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ MIN_DOT_ROWS = 16
 """A tensor-core dot needs at least 16 rows; a KV head's query heads are padded to it."""
 MAX_CACHE_POSITIONS = 512
 """The longest cache the kernel is used for: one program per (sequence, KV head) streams all
-of it, so its time grows with the position where SDPA's barely does (H200, batch 1: 4.7
-against 12.2 µs at position 143, 10.0 against 12.1 at 511); longer caches keep SDPA until a
-split over positions is measured."""
+of it, so its time grows with the position where SDPA's barely does (at position 511 it was
+10.0 against SDPA's 12.1 µs at batch 1); longer caches keep SDPA until a split over positions
+is measured."""
 
 
 def serves(query_length: int, k_cache: torch.Tensor) -> bool:

@@ -243,7 +243,7 @@ def _add_row(
 
 @triton.jit
 def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
-               g0, end_group, GROUPS: tl.constexpr):
+               g0, end_group, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weights of the trip at group ``g0``, as stored: code words [BLOCK_N, 4 * GROUPS],
     scale and zero codes and their steps [BLOCK_N, GROUPS]; zeros for groups past
     ``end_group``. Group g's 16 code bytes are words 4g..4g+3 of its row (word j holds
@@ -253,10 +253,24 @@ def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn
     codes = tl.load(q_ptr + rows[:, None] * stride_qn + word_idx[None, :],
                     mask=(word_idx < 4 * end_group)[None, :], other=0)
     meta = rows[:, None] * stride_cn + group_idx[None, :]
-    steps = rows[:, None] * stride_sn + group_idx[None, :] // 8
     mask = (group_idx < end_group)[None, :]
-    return (codes, tl.load(sc_ptr + meta, mask=mask, other=0), tl.load(ss_ptr + steps, mask=mask, other=0.0),
-            tl.load(zc_ptr + meta, mask=mask, other=0), tl.load(zs_ptr + steps, mask=mask, other=0.0))
+    # One step per row and super-block, loaded once and repeated for its 8 groups (trips
+    # start on super-blocks: splits are whole super-blocks and GROUPS a multiple of 8).
+    tl.static_assert(GROUPS % 8 == 0, "a trip covers whole super-blocks")
+    sb_idx = g0 // 8 + tl.arange(0, GROUPS // 8)
+    steps = rows[:, None] * stride_sn + sb_idx[None, :]
+    sb_mask = (sb_idx < end_group // 8)[None, :]
+    return (codes, tl.load(sc_ptr + meta, mask=mask, other=0),
+            _per_group(tl.load(ss_ptr + steps, mask=sb_mask, other=0.0), BLOCK_N, GROUPS),
+            tl.load(zc_ptr + meta, mask=mask, other=0),
+            _per_group(tl.load(zs_ptr + steps, mask=sb_mask, other=0.0), BLOCK_N, GROUPS))
+
+
+@triton.jit
+def _per_group(per_super_block, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS // 8] -> [BLOCK_N, GROUPS]: each super-block's value for its 8 groups."""
+    repeated = tl.broadcast_to(per_super_block[:, :, None], [BLOCK_N, GROUPS // 8, 8])
+    return tl.reshape(repeated, [BLOCK_N, GROUPS])
 
 
 @triton.jit
@@ -301,18 +315,18 @@ def _w4a8_kernel(
     acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     if PREFETCH:
         trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
-                          stride_sn, first_group, end_group, GROUPS)
+                          stride_sn, first_group, end_group, GROUPS, BLOCK_N)
     for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
         if PREFETCH:
             # The next trip's weights are requested before this trip's arithmetic so that
             # their memory latency overlaps it (past the split they are masked: no traffic).
             w, scale_codes, scale_steps, zero_codes, zero_steps = trip
             trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
-                              stride_sn, g0 + GROUPS, end_group, GROUPS)
+                              stride_sn, g0 + GROUPS, end_group, GROUPS, BLOCK_N)
         else:
             w, scale_codes, scale_steps, zero_codes, zero_steps = _load_trip(
                 q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
-                g0, end_group, GROUPS)
+                g0, end_group, GROUPS, BLOCK_N)
         w_low = _group_words(w & 0x0F0F0F0F, GROUPS)
         w_high = _group_words(w & -252645136, GROUPS)  # 0xF0F0F0F0
         ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)

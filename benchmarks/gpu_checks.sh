@@ -34,11 +34,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$ou
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-330}" python -m pytest -q -rf -p no:cacheprovider --durations=15 \
+      timeout "${TESTS_S:-330}" python -m pytest -q -rfs -p no:cacheprovider --durations=15 \
         ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py tests/test_decode_attention.py \
         tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1
-      grep -E "passed|failed|FAILED|ERROR" "$out/tests.log" | tail -25 ;;
+      grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/tests.log" | cut -c1-300 | tail -25 ;;
     picks)
       timeout "${PICKS_S:-240}" python -m pytest -q -rf -s -p no:cacheprovider tests/test_autotune_picks_gpu.py \
         > "$out/picks.log" 2>&1

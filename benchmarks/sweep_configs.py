@@ -32,7 +32,7 @@ from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDID
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
     # row's activation quantization among more weights: 6.6-9.0 instructions per weight at
-    # bucket 4 against 10.5 for (16, 32, 4) in session 5 (benchmarks/sass_w4a8.py), fewer warps;
+    # bucket 4 against 10.5 for (16, 32, 4) in session 5 (benchmarks/sass_census.py), fewer warps;
     # the deep ones (GROUPS 64 with 8 warps) put twice the bytes of a trip in flight, for the
     # small-N, long-K shapes where M = 1 has two programs per SM (4096x14336: 52 % of floor).
     "w4a8": [dict(BLOCK_N=n, GROUPS=g, num_warps=w, STAGES=s, PREFETCH=p)

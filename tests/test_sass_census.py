@@ -1,0 +1,51 @@
+"""The offline SASS census (``benchmarks/sass_census.py``) compiles each GEMM family's kernel
+for sm_90 with Triton's bundled ptxas, no GPU needed, and reads its occupancy and main loop:
+the numbers design.md's kernel decisions quote before any device time is spent."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run apart from this process: the suite imports the kernels under Triton's interpreter, which
+# cannot be compiled for a GPU target.
+CENSUS = textwrap.dedent("""
+    import json, sys
+    from sass_census import census
+    family, constants, warps = json.loads(sys.argv[1])
+    result = census(family, constants, warps)
+    print(json.dumps({"registers": result.registers, "shared": result.shared,
+                      "programs_by": result.programs_by, "programs_per_sm": result.programs_per_sm,
+                      "main_loop": result.main_loop, "instructions": sum(result.opcodes.values())}))
+""")
+
+
+def _census(family, constants, warps):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")])
+    child = subprocess.run([sys.executable, "-c", CENSUS, json.dumps([family, constants, warps])],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family, constants, warps, loop_opcode", [
+    ("w4a8", {"PARTIAL": False, "BUCKET": 1, "BLOCK_N": 16, "GROUPS": 32, "STAGES": 2, "PREFETCH": False,
+              "INTERPRET": False}, 4, "IDP.4A"),
+    ("w4a16", {"PARTIAL": False, "BUCKET": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 3, "INTERPRET": False},
+     4, "HGMMA"),
+])
+def test_the_census_finds_the_k_loop_and_the_occupancy_limits(family, constants, warps, loop_opcode):
+    result = _census(family, constants, warps)
+    assert any(text.startswith(loop_opcode) for text in result["main_loop"])  # the products run in the loop
+    assert 0 < len(result["main_loop"]) < result["instructions"]
+    assert result["programs_per_sm"] == min(result["programs_by"].values()) >= 1
+    if family == "w4a16":
+        # Three pipeline stages of 64 activation rows x 256 bf16 take 96 KB: one program per SM.
+        assert result["shared"] >= 3 * 64 * 256 * 2
+        assert result["programs_by"]["shared memory"] == 1

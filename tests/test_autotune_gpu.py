@@ -190,7 +190,6 @@ def test_a_second_process_restores_picks_instead_of_timing(tmp_path):
     assert (warm_measured, warm_restored) == ("0", "1")
 
 
-
 def _new_autotuner_like(bucket):
     """A new autotuner of ``bucket``'s kernel, space and store name: nothing picked in this
     process, so ``pick`` can only restore from the store."""

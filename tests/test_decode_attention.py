@@ -5,6 +5,7 @@ where it is also compiled and captured in a CUDA graph."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from coalesced_int4.kernels.decode_attention import BLOCK_POSITIONS, MAX_CACHE_POSITIONS, decode_attention, serves
 from tests.conftest import requires_cuda
@@ -98,8 +99,6 @@ def test_compiled_decode_attention_gives_eager_bits():
 
 
 def test_the_decoder_sends_only_one_token_steps_on_measured_caches_to_the_kernel():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():  # a CUDA cache's metadata, without a GPU
         cache = torch.empty(1, 8, MAX_CACHE_POSITIONS, 128, dtype=torch.bfloat16, device="cuda")
         longer = torch.empty(1, 8, MAX_CACHE_POSITIONS + 1, 128, dtype=torch.bfloat16, device="cuda")

@@ -3,7 +3,7 @@ with the causal mask's row, at Llama-3-8B's heads (32 query, 8 KV, head size 128
 cache length and query position.
 
 Method (bench_gemm's): each call reads its own layer's cache, at least 32 caches and enough
-that together they exceed twice the L2 (``copies_for``), in turn in a CUDA graph of at least
+that together they exceed twice the L2 (``copies_beyond_l2``), in turn in a CUDA graph of at least
 300 calls run back to back, median of 5 replays, µs per call; the max abs difference of the
 two outputs is printed beside.
 
@@ -18,9 +18,8 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from bench_gemm import copies_for  # this script's folder is on sys.path
 
-from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
+from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.decode_attention import decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
@@ -38,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for batch in map(int, args.batches.split(",")):
         for cache in map(int, args.caches.split(",")):
             kv_shape = (batch, KV_HEADS, cache, HEAD_DIM)
-            count = max(LAYERS, copies_for(2 * 2 * batch * KV_HEADS * cache * HEAD_DIM))  # k and v, bf16
+            count = max(LAYERS, copies_beyond_l2(2 * 2 * batch * KV_HEADS * cache * HEAD_DIM))  # k and v, bf16
             layers = [[torch.randn(shape, device="cuda", dtype=torch.bfloat16)
                        for shape in ((batch, HEADS, HEAD_DIM), kv_shape, kv_shape)] for _ in range(count)]
             for position in (p for p in map(int, args.positions.split(",")) if p < cache):

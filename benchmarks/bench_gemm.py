@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Dict, List, Optional
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from coalesced_int4.kernels import BUCKET_KERNELS, SUPPORTED_BUCKETS, autotune_launch_params, launch
-from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
+from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -48,10 +47,6 @@ def hbm_read_bandwidth() -> float:
     fn = lambda: torch.sum(data, dim=1, out=out)  # noqa: E731
     us = time_back_to_back_us([fn], min_calls=20)
     return data.numel() * data.element_size() / (us * 1e-6)
-
-
-def copies_for(bytes_per_copy: float) -> int:
-    return max(1, math.ceil(2 * l2_bytes() / bytes_per_copy) + 1)
 
 
 def random_int4_weights(n: int, k: int, copies: int):
@@ -83,7 +78,7 @@ def last_config(bucket) -> str:
 
 
 def bench_ours(n, k, ms, results):
-    copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
+    copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
     for m in ms:
         bucket = bucket_for(m)
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -95,7 +90,7 @@ def bench_ours(n, k, ms, results):
 
 def bench_bf16(n, k, ms, results):
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-               for _ in range(copies_for(n * k * 2))]
+               for _ in range(copies_beyond_l2(n * k * 2))]
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         results[(n, k, m)]["bf16_us"] = time_back_to_back_us([lambda w=w: F.linear(x, w) for w in weights])
@@ -104,7 +99,7 @@ def bench_bf16(n, k, ms, results):
 
 def bench_tinygemm(n, k, ms, results):
     copies = []
-    for _ in range(copies_for(n * k * (0.5 + 4 / 32))):
+    for _ in range(copies_beyond_l2(n * k * (0.5 + 4 / 32))):
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
         packed = torch.ops.aten._convert_weight_to_int4pack(codes, 8)
         scales_zeros = (torch.rand(k // 32, n, 2, device="cuda") * 0.01).to(torch.bfloat16)
@@ -120,7 +115,7 @@ def bench_gemlite(n, k, ms, results):
     from gemlite import DType, GemLiteLinear
 
     layers = []
-    for _ in range(copies_for(n * k * (0.5 + 4 / 32))):
+    for _ in range(copies_beyond_l2(n * k * (0.5 + 4 / 32))):
         layer = GemLiteLinear(W_nbits=4, group_size=32, in_features=k, out_features=n,
                               input_dtype=DType.BF16, output_dtype=DType.BF16)
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")

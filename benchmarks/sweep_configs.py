@@ -22,10 +22,10 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import bucket_for, copies_for, last_config, random_int4_weights, tuned_launch_params, INT4_BYTES_PER_WEIGHT  # noqa: I001
+from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launch_params, INT4_BYTES_PER_WEIGHT  # noqa: I001
 
 from coalesced_int4.kernels import check_split_k, launch
-from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
+from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES,
                                           W4A8_BUCKETS, int4_config)
 
@@ -98,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rows = []
     for n, k in shapes:
-        copies = random_int4_weights(n, k, copies_for(n * k * INT4_BYTES_PER_WEIGHT))
+        copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
         for m in ms:
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")

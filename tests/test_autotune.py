@@ -12,6 +12,7 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from coalesced_int4.kernels.autotune import cuda_graph_timing as graph_timing
 from coalesced_int4.kernels.autotune import do_bench as do_bench_module
 from coalesced_int4.kernels.autotune import launch_params
 from coalesced_int4.kernels.autotune.do_bench import AUTOTUNE_REP_MS, AUTOTUNE_WARMUP_MS, autotune_do_bench
@@ -228,6 +229,15 @@ def test_cuda_graph_timing_context_nests():
             assert do_bench_module.graph_timing_active()
         assert do_bench_module.graph_timing_active()
     assert not do_bench_module.graph_timing_active()
+
+
+@pytest.mark.parametrize("bytes_per_copy", [1, 3 * 2**20, 14_155_776, 50 * 2**20, 2**30])
+def test_a_rotation_holds_the_fewest_copies_that_cover_twice_the_l2(bytes_per_copy):
+    l2 = 60 * 2**20
+    with mock.patch.object(torch.cuda, "get_device_properties", return_value=types.SimpleNamespace(L2_cache_size=l2)):
+        copies = graph_timing.copies_beyond_l2(bytes_per_copy, torch.device("cuda", 0))
+    # Besides the first call's copy, the others together cover twice the L2, and one fewer would not.
+    assert (copies - 1) * bytes_per_copy >= 2 * l2 > (copies - 2) * bytes_per_copy
 
 
 # ---------------------------------------------------------------- persistent picks

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from coalesced_int4.kernels.family import INTERPRETER, NAMESPACE
-from coalesced_int4.kernels.rounding import to_bf16
+from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 
 BLOCK_POSITIONS = 64
 STAGES = 3
@@ -48,15 +48,6 @@ def serves(query_length: int, k_cache: torch.Tensor) -> bool:
     """Whether a decoder's attention step goes to this kernel: one new token per sequence,
     a CUDA cache (real, or fake while compiling) of at most ``MAX_CACHE_POSITIONS``."""
     return query_length == 1 and k_cache.is_cuda and k_cache.shape[2] <= MAX_CACHE_POSITIONS
-
-
-@triton.jit
-def _dot(a, b, INTERPRET: tl.constexpr):
-    """fp32 a @ b of bf16 tiles (in fp32 under the interpreter, whose bf16 dot is wrong)."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -97,12 +88,12 @@ def _decode_attention_kernel(
         valid = positions < length
         k = tl.load(k_base + positions[:, None] * stride_ks + dims[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_base + positions[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0)
-        scores = tl.where(valid[None, :], _dot(q, tl.trans(k), INTERPRET) * SCALE, float("-inf"))
+        scores = tl.where(valid[None, :], bf16_dot(q, tl.trans(k), INTERPRET) * SCALE, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         correction = tl.exp(running_max - new_max)
         weights = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, 1)
-        acc = acc * correction[:, None] + _dot(to_bf16(weights, INTERPRET), v, INTERPRET)
+        acc = acc * correction[:, None] + bf16_dot(to_bf16(weights, INTERPRET), v, INTERPRET)
         running_max = new_max
     out = acc / running_sum[:, None]
     tl.store(out_ptr + batch * stride_ob + heads[:, None] * stride_oh + dims[None, :],

@@ -1,8 +1,9 @@
-"""fp32 -> bf16 rounding that is the same on the GPU and in Triton's interpreter.
+"""bf16 rounding and dots that give the same values on the GPU and in Triton's interpreter.
 
-The interpreter converts fp32 to bf16 by truncation and does bf16 arithmetic on raw bits;
-kernels that must match the GPU bit for bit there round with ``to_bf16`` and do bf16 math in
-fp32 (exact for the values they combine) when ``INTERPRET`` is set.
+The interpreter converts fp32 to bf16 by truncation, does bf16 arithmetic on raw bits and
+computes a bf16 ``tl.dot`` wrongly; kernels that must match the GPU there round with
+``to_bf16``, dot bf16 tiles with ``bf16_dot``, and do bf16 math in fp32 (exact for the values
+they combine) when ``INTERPRET`` is set.
 """
 
 import triton
@@ -18,3 +19,13 @@ def to_bf16(x, INTERPRET: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def bf16_dot(a, b, INTERPRET: tl.constexpr):
+    """fp32 ``a @ b`` of bf16 tiles (operands widened to fp32 under the interpreter: the
+    products of bf16 values are exact in fp32 either way)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coalesced_int4.kernels.rounding import to_bf16
+from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 
 
@@ -102,10 +102,7 @@ def _w4a16_kernel(
         w = _bf16_chain(q, zero, scale, INTERPRET)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + columns[None, :],
                     mask=m_mask[:, None], other=0.0)
-        if INTERPRET:
-            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)))
-        else:
-            acc = tl.dot(w, tl.trans(a), acc)
+        acc += bf16_dot(w, tl.trans(a), INTERPRET)
     ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if not PARTIAL:

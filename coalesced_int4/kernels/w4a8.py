@@ -232,10 +232,7 @@ def _add_row(
     instead of being branched around, so that every row's loads sit outside branches, where
     Triton's pipeliner stages them in shared memory and reads them out in the dot products'
     layout (in a branch, each would be loaded once per weight row a thread holds)."""
-    if PREQUANTIZED:
-        acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-                         GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
-    elif M > row:
+    if PREQUANTIZED or M > row:
         acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
                          GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
     return acc

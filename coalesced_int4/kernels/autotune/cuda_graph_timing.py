@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -76,6 +76,14 @@ def time_with_cuda_graph_us(fn: Callable[[], object]) -> float:
         return min(before.elapsed_time(after) for before, after in events) * 1000.0
     finally:
         graph.reset()
+
+
+def copies_beyond_l2(bytes_per_copy: float, device: Optional[torch.device] = None) -> int:
+    """How many copies of a call's data ``time_back_to_back_us`` needs so that the rotation
+    reads each call's copy from HBM: together at least twice the L2 (its replacement is not
+    strictly LRU), plus the one the first call reads. ``device``: the current one if None."""
+    l2_bytes = torch.cuda.get_device_properties(device or torch.cuda.current_device()).L2_cache_size
+    return math.ceil(2 * l2_bytes / max(bytes_per_copy, 1)) + 1
 
 
 def time_back_to_back_us(calls: Sequence[Callable[[], object]], min_calls: int = 300, samples: int = 5) -> float:

@@ -28,7 +28,6 @@ import gc
 import inspect
 import itertools
 import logging
-import math
 import statistics
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -38,7 +37,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from coalesced_int4.kernels.autotune.cuda_graph_timing import time_back_to_back_us
+from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
 from coalesced_int4.kernels.autotune.persistent import PickStore
 from coalesced_int4.kernels.autotune.tuner import compile_every_candidate_at_once
@@ -218,9 +217,8 @@ def _copies_beyond_l2(args, kwargs, device: torch.device) -> list:
     if device.type != "cuda":
         return sets
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    size = max(1, sum(t.numel() * t.element_size() for t in tensors))
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    for _ in range(math.ceil(2 * l2_bytes / size)):
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    for _ in range(copies_beyond_l2(size, device) - 1):
         sets.append(([_stand_in(a) for a in args], {k: _stand_in(v) for k, v in kwargs.items()}))
     return sets
 

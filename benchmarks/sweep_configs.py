@@ -27,7 +27,7 @@ from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launc
 from coalesced_int4.kernels import check_split_k, launch
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES,
-                                          W4A8_BUCKETS, int4_config)
+                                          W4A8_BUCKETS, kernel_config)
 
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
@@ -55,7 +55,7 @@ def compile_one(job) -> Optional[str]:
     entry, k, bucket, split, variant = job
     try:
         x = torch.randn(bucket, k, dtype=torch.bfloat16, device="cuda")
-        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=int4_config(**entry),
+        launch(bucket, x, *random_int4_weights(256, k, copies=1)[0], 32, split_k=split, config=kernel_config(**entry),
                **variant)
         torch.cuda.synchronize()
         return None
@@ -106,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for entry, split, variant in itertools.product(grid, splits, variants):
                 try:
                     check_split_k(split, k)
-                    config = int4_config(**entry)
+                    config = kernel_config(**entry)
                     us = time_back_to_back_us([lambda w=w: launch(bucket, x, *w, 32, split_k=split, config=config, **variant)
                                      for w in copies])
                 except Exception:  # illegal split or a config that failed to compile

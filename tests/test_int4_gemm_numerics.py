@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
-from coalesced_int4.kernels.rules import int4_config
+from coalesced_int4.kernels.rules import kernel_config
 from coalesced_int4.kernels.split_k import split_bounds
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
@@ -109,7 +109,7 @@ def test_w4a8_trips_past_the_end_of_a_split_add_nothing(split, prefetch, prequan
     # a prefetching program also loads (masked) the trip after its last.
     packed, _ = packed_weight(40, 768, seed=17, device=DEVICE)
     x = _x(4, 768, seed=17)
-    config = int4_config(4, BLOCK_N=16, GROUPS=16, STAGES=1, PREFETCH=prefetch)
+    config = kernel_config(4, BLOCK_N=16, GROUPS=16, STAGES=1, PREFETCH=prefetch)
     out = launch(4, x, *packed, 32, split_k=split, config=config, prequantize=prequantize)
     assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 

@@ -114,7 +114,7 @@ halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8
 W4A16_STAGES = (2, 3)
 
 
-def int4_config(num_warps: int, **meta) -> triton.Config:
+def kernel_config(num_warps: int, **meta) -> triton.Config:
     """A kernel config whose compile-time pipeline depth (``num_stages``) is its ``STAGES``,
     the depth its main loop is written for."""
     return triton.Config(meta, num_warps=num_warps, num_stages=meta["STAGES"])
@@ -127,14 +127,14 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     x every tile of ``W4A16_TILES`` x stages."""
     if bucket in W4A8_BUCKETS:
         return [
-            int4_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)
+            kernel_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)
             for n, g, w in W4A8_TILES
             for s in W4A8_STAGES
             for p in W4A8_PREFETCH
         ]
     if bucket in W4A16_BUCKETS:
         return [
-            int4_config(w, BLOCK_N=n, BLOCK_K=k, STAGES=s)
+            kernel_config(w, BLOCK_N=n, BLOCK_K=k, STAGES=s)
             for n, k, w in W4A16_TILES
             for s in W4A16_STAGES
         ]

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
+from coalesced_int4.kernels.tiles import repeat_columns
 
 
 @triton.jit
@@ -97,8 +98,8 @@ def _w4a16_kernel(
         next_step = rows * stride_sn + tl.minimum((trip + 1) // TRIPS_PER_SB, last_sb)
         scale_step = tl.load(ss_ptr + next_step)
         zero_step = tl.load(zs_ptr + next_step)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
-        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
+        scale = repeat_columns(scale, 32)
+        zero = repeat_columns(zero, 32)
         w = _bf16_chain(q, zero, scale, INTERPRET)
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + columns[None, :],
                     mask=m_mask[:, None], other=0.0)

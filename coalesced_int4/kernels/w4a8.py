@@ -38,6 +38,7 @@ from coalesced_int4.kernels import family
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
+from coalesced_int4.kernels.tiles import repeat_columns
 
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + M rounds |y| < 2**22 to even
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # the bits of M: bits(y + M) - bits(M) = round(y)
@@ -80,8 +81,7 @@ def _in_dot_layout(per_group, GROUPS: tl.constexpr):
     """[R, GROUPS] -> the same values as ``_group_words`` leaves the dot products: spread to
     the four words of each group and split, so that the per-group data meets each row's dot
     products where they are computed (moved once a trip, not once a row)."""
-    spread = tl.broadcast_to(per_group[:, :, None], [per_group.shape[0], GROUPS, 4])
-    return _group_words(tl.reshape(spread, [per_group.shape[0], 4 * GROUPS]), GROUPS)[0]
+    return _group_words(repeat_columns(per_group, 4), GROUPS)[0]
 
 
 @triton.jit
@@ -258,16 +258,9 @@ def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn
     steps = rows[:, None] * stride_sn + sb_idx[None, :]
     sb_mask = (sb_idx < end_group // 8)[None, :]
     return (codes, tl.load(sc_ptr + meta, mask=mask, other=0),
-            _per_group(tl.load(ss_ptr + steps, mask=sb_mask, other=0.0), BLOCK_N, GROUPS),
+            repeat_columns(tl.load(ss_ptr + steps, mask=sb_mask, other=0.0), 8),
             tl.load(zc_ptr + meta, mask=mask, other=0),
-            _per_group(tl.load(zs_ptr + steps, mask=sb_mask, other=0.0), BLOCK_N, GROUPS))
-
-
-@triton.jit
-def _per_group(per_super_block, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """[BLOCK_N, GROUPS // 8] -> [BLOCK_N, GROUPS]: each super-block's value for its 8 groups."""
-    repeated = tl.broadcast_to(per_super_block[:, :, None], [BLOCK_N, GROUPS // 8, 8])
-    return tl.reshape(repeated, [BLOCK_N, GROUPS])
+            repeat_columns(tl.load(zs_ptr + steps, mask=sb_mask, other=0.0), 8))
 
 
 @triton.jit

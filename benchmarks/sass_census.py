@@ -31,7 +31,7 @@ from coalesced_int4.kernels.w4a16 import _w4a16_kernel
 
 POINTERS = {"x_ptr": "*bf16", "sc_ptr": "*u8", "ss_ptr": "*fp16", "zc_ptr": "*u8", "zs_ptr": "*fp16",
             "out_ptr": "*bf16"}
-CODE_POINTER = {"w4a8": "*i32", "w4a16": "*u8"}  # the qdata view each family reads
+CODE_POINTER = {"w4a8": "*i32", "w4a16": "*i32"}  # the qdata view each family reads
 DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_om")
 """Integer arguments that are multiples of 16 at every launch on model shapes."""
 # sm_90 per-SM limits: registers, shared memory (bytes), threads, and the shared memory the

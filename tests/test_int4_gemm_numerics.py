@@ -10,6 +10,7 @@ from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, la
 from coalesced_int4.kernels.rules import kernel_config
 from coalesced_int4.kernels.split_k import split_bounds
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
+from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,6 +140,26 @@ def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
             out = launch(bucket, x, *packed, 32, split_k=split, config=config)
             assert out.shape == (m, n)
             assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
+
+
+@pytest.mark.parametrize("bucket", [16, 64])
+def test_w4a16_decodes_the_reference_bf16_weights_bit_for_bit(bucket):
+    """One-hot activation rows pick single weights: an output is one weight times 1 plus exact
+    zeros, so it must be the reference dequantization's bf16 weight, bit for bit. This pins the
+    rounding chain (no fused multiply-add), the nibble order and the kernel's relabeling of K,
+    at every column of a super-block, for each tile shape of the space."""
+    n, k = 40, 512
+    packed, _ = packed_weight(n, k, seed=bucket, device=DEVICE)
+    dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16).to(DEVICE)
+    rows = torch.arange(bucket, device=DEVICE)
+    tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]): c for c in int4_autotune_configs(bucket)}
+    for config in tiles.values():
+        for start in range(0, 256, bucket):
+            x = torch.zeros(bucket, k, dtype=torch.bfloat16, device=DEVICE)
+            x[rows, start + 256 * (rows % 2) + rows] = 1  # both super-blocks
+            for split in (1, 2):
+                out = launch(bucket, x, *packed, 32, split_k=split, config=config)
+                assert torch.equal(out, dense[:, start + 256 * (rows % 2) + rows].t()), (config, start, split)
 
 
 def test_w4a16_sampled_configs_match():

@@ -1,12 +1,21 @@
 """W4A16 GEMM for small batches (buckets 8-64): weights decoded to bf16, tensor-core dot.
 
-Per super-block of 256 weights a program loads 128 code bytes per weight row, splits the
-nibbles into k order, decodes ``w = bf16(bf16(q - zero) * scale)`` with
-``scale = bf16(sc * ss)`` and ``zero = bf16(zc * zs)`` (the reference's bf16 rounding chain),
-and accumulates ``acc[BLOCK_N, BUCKET] += w @ x^T`` in fp32. The weights are the left operand
-(M of the MMA is BLOCK_N >= 32), the activations the right one (N of the MMA is the bucket,
-8..64): at these batch sizes this keeps the tensor cores busy without padding M, and every
-activation row is covered by one tile so each weight is decoded exactly once.
+A program reads its weight rows' codes as int32 words of 8 weights (byte b of a word holds
+weights 2b and 2b + 1, low nibble first), decodes them with the reference's bf16 rounding chain
+``w = bf16(bf16(q - zero) * scale)``, where ``scale = bf16(sc * ss)`` and
+``zero = bf16(zc * zs)``, and accumulates ``acc[BLOCK_N, BUCKET] += w @ x^T`` in fp32. The
+weights are the left operand (M of the MMA is BLOCK_N >= 32), the activations the right one
+(N of the MMA is the bucket, 8..64): at these batch sizes this keeps the tensor cores busy
+without padding M, and every activation row is covered by one tile so each weight is decoded
+exactly once.
+
+The decode works on pairs of weights, the unit in which the tensor-core layouts hold the left
+operand (two consecutive k in one 32-bit register). On the GPU one block of inline PTX
+(``_DECODE_PAIR``) turns a pair's byte into that register: the byte's two nibbles are moved to
+the two bf16 halves and OR-ed into ``0x4300``, the bf16 bits of ``128 + q`` (no int-to-float
+conversion), and the chain's subtractions and multiplication run on both weights at once, each
+rounded on its own (PTX does not fuse ``.rn`` operations, so the chain is the reference's). A
+thread then never unpacks weights it does not hold, whatever layout Triton picks for the dot.
 """
 
 from __future__ import annotations
@@ -19,21 +28,20 @@ from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
-
-@triton.jit
-def _bf16_chain(q, zero, scale, INTERPRET: tl.constexpr):
-    """bf16(bf16(q - zero) * scale) from 4-bit codes ``q`` (uint8) and bf16 ``zero`` and
-    ``scale``. On the GPU the code becomes a bf16 without an int->float conversion (a
-    quarter-rate instruction, one per weight): ``0x4300 | q`` is the bf16 bit pattern of
-    128 + q, and subtracting 128 is exact. The interpreter does bf16 arithmetic on raw bits,
-    so there each step runs in fp32 and is rounded to bf16: the same value, since every fp32
-    intermediate here is exact."""
-    if INTERPRET:
-        diff = to_bf16(q.to(tl.float32) - zero.to(tl.float32), INTERPRET)
-        return to_bf16(diff.to(tl.float32) * scale.to(tl.float32), INTERPRET)
-    else:
-        q_bf16 = (q.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
-        return (q_bf16 - zero) * scale
+_DECODE_PAIR = tl.constexpr("""{
+.reg .b32 t, high, bias;
+mov.b32 bias, 0x43004300;
+shr.u32 high, $1, 4;
+prmt.b32 t, $1, high, $2;
+lop3.b32 t, t, 0x000F000F, bias, 0xEA;
+sub.rn.bf16x2 t, t, bias;
+sub.rn.bf16x2 t, t, $3;
+mul.rn.bf16x2 $0, t, $4;
+}""")
+"""$1: the word holding the pair; $2: the PRMT selector that puts its byte b at byte 0 and
+byte b of ``word >> 4`` at byte 2, so that bits 0-3 and 16-19 are the pair's low and high
+nibbles; ``lop3 0xEA`` is ``(t & 0x000F000F) | 0x43004300``; $3 and $4: the group's zero and
+scale in both bf16 halves. $0: the decoded pair, the low-k weight in the low half."""
 
 
 @triton.jit
@@ -42,6 +50,41 @@ def _bf16_product(a, b, INTERPRET: tl.constexpr):
         return to_bf16(a.to(tl.float32) * b.to(tl.float32), INTERPRET)
     else:
         return a * b
+
+
+@triton.jit
+def _in_both_halves(values):
+    """bf16 values -> int32 holding each value in both halves (a bf16x2 operand)."""
+    bits = values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _decode(words, zero, scale, INTERPRET: tl.constexpr):
+    """Words [R, W] of 8 codes and their groups' bf16 zero and scale [R, W // 4] -> the
+    weights, bf16 [R, 8 * W] in k order. Pair p is byte p % 4 of word p // 4. The interpreter
+    has no inline asm: there the nibbles are shifted out one by one and the chain runs in fp32,
+    rounded to bf16 after each step (every fp32 intermediate is exact: the same values)."""
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    word = repeat_columns(words, 4)
+    byte = tl.arange(0, 4 * W)[None, :] % 4
+    zero = repeat_columns(zero, 16)
+    scale = repeat_columns(scale, 16)
+    if INTERPRET:
+        low = ((word >> (8 * byte)) & 0xF).to(tl.float32)
+        high = ((word >> (8 * byte + 4)) & 0xF).to(tl.float32)
+        pair = tl.join(low, high) - zero.to(tl.float32)[:, :, None]
+        pair = to_bf16(to_bf16(pair, INTERPRET).to(tl.float32) * scale.to(tl.float32)[:, :, None], INTERPRET)
+    else:
+        select = tl.broadcast_to(byte | ((byte + 4) << 8), [R, 4 * W])
+        bits = tl.inline_asm_elementwise(
+            _DECODE_PAIR, "=r,r,r,r,r", [word, select, _in_both_halves(zero), _in_both_halves(scale)],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+        pair = tl.join(bits.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                       (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+    return tl.reshape(pair, [R, 8 * W])
 
 
 @triton.jit
@@ -56,7 +99,7 @@ def _w4a16_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
-    Row strides of the codes (qn, bytes), scale/zero codes (cn) and steps (sn) are passed
+    Row strides of the codes (qn, int32 words), scale/zero codes (cn) and steps (sn) are passed
     apart from K so that Triton's divisibility specialization proves their alignment.
 
     BLOCK_N: weight rows per program. BLOCK_K: weights of K per main-loop trip, a super-block
@@ -74,8 +117,11 @@ def _w4a16_kernel(
     rows = tl.where(n_mask, offs_n, 0)
     offs_m = tl.arange(0, BUCKET)
     m_mask = offs_m < M
-    code_bytes = tl.arange(0, BLOCK_K // 2)
+    words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
+    # Rows >= M of the accumulator are never stored, so they may hold any finite values: those
+    # rows read row M - 1 again instead of masking every activation load.
+    x_rows = tl.minimum(offs_m, M - 1)
     groups = tl.arange(0, BLOCK_K // 32)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
@@ -88,8 +134,7 @@ def _w4a16_kernel(
     zero_step = tl.load(zs_ptr + rows * stride_sn + first_sb)
     for trip in tl.range(first_trip, first_trip + sb_count * TRIPS_PER_SB, num_stages=STAGES):
         k0 = trip * BLOCK_K
-        packed = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 2 + code_bytes[None, :])
-        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_N, BLOCK_K])
+        words = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 8 + words_of_trip[None, :])
         meta = rows[:, None] * stride_cn + k0 // 32 + groups[None, :]
         scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
                               to_bf16(scale_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
@@ -98,11 +143,8 @@ def _w4a16_kernel(
         next_step = rows * stride_sn + tl.minimum((trip + 1) // TRIPS_PER_SB, last_sb)
         scale_step = tl.load(ss_ptr + next_step)
         zero_step = tl.load(zs_ptr + next_step)
-        scale = repeat_columns(scale, 32)
-        zero = repeat_columns(zero, 32)
-        w = _bf16_chain(q, zero, scale, INTERPRET)
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + columns[None, :],
-                    mask=m_mask[:, None], other=0.0)
+        w = _decode(words, zero, scale, INTERPRET)
+        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
         acc += bf16_dot(w, tl.trans(a), INTERPRET)
     ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
@@ -115,5 +157,5 @@ def _w4a16_kernel(
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
-        activations=(x,), activation_strides=(x.stride(0),), weights=weights, code_dtype=torch.uint8,
+        activations=(x,), activation_strides=(x.stride(0),), weights=weights, code_dtype=torch.int32,
     )

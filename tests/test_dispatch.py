@@ -1,6 +1,10 @@
 """F.linear on a quantized weight: the dequant fallback is right for every input the kernels
 cannot take (CPU, other dtypes, M > 64, N-D, bias), chunks very tall weights, and compiles."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +87,28 @@ def test_quantized_model_compiles_fullgraph_on_cpu():
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True)(x)
     assert _mean_rel(compiled, eager.float()) < 0.01
+
+
+_PASTED_SOURCES = """
+from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as source
+from coalesced_int4.kernels.decode_attention import _decode_attention_kernel
+from coalesced_int4.kernels.split_k import _splitk_reduce_kernel
+from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel
+from coalesced_int4.kernels.w4a16 import _w4a16_kernel
+for kernel in (_w4a8_kernel, _quantize_kernel, _w4a16_kernel, _splitk_reduce_kernel, _decode_attention_kernel):
+    for line in source(kernel).splitlines():
+        if chr(92) in line:
+            print(kernel.__name__, line.strip())
+"""
+
+
+def test_kernel_sources_survive_being_pasted_into_a_compiled_module():
+    """torch.compile pastes each user kernel's source, with its jit helpers and constexpr
+    globals, into its generated module inside a non-raw triple-quoted string, where every
+    backslash escape is read once more. An escaped newline in an inline-asm constant made
+    every compiled W4A16 call fail to import on torch 2.11, so no kernel source may hold a
+    backslash. (Checked in a process without the interpreter, whose kernels have no source.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _PASTED_SOURCES], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "", result.stdout

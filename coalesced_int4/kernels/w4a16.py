@@ -28,20 +28,22 @@ from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
-_DECODE_PAIR = tl.constexpr("""{
-.reg .b32 t, high, bias;
-mov.b32 bias, 0x43004300;
-shr.u32 high, $1, 4;
-prmt.b32 t, $1, high, $2;
-lop3.b32 t, t, 0x000F000F, bias, 0xEA;
-sub.rn.bf16x2 t, t, bias;
-sub.rn.bf16x2 t, t, $3;
-mul.rn.bf16x2 $0, t, $4;
-}""")
+_DECODE_PAIR = tl.constexpr(
+    "{ .reg .b32 t, high, bias; "
+    "mov.b32 bias, 0x43004300; "
+    "shr.u32 high, $1, 4; "
+    "prmt.b32 t, $1, high, $2; "
+    "lop3.b32 t, t, 0x000F000F, bias, 0xEA; "
+    "sub.rn.bf16x2 t, t, bias; "
+    "sub.rn.bf16x2 t, t, $3; "
+    "mul.rn.bf16x2 $0, t, $4; }"
+)
 """$1: the word holding the pair; $2: the PRMT selector that puts its byte b at byte 0 and
 byte b of ``word >> 4`` at byte 2, so that bits 0-3 and 16-19 are the pair's low and high
 nibbles; ``lop3 0xEA`` is ``(t & 0x000F000F) | 0x43004300``; $3 and $4: the group's zero and
-scale in both bf16 halves. $0: the decoded pair, the low-k weight in the low half."""
+scale in both bf16 halves. $0: the decoded pair, the low-k weight in the low half. One line
+with no escapes: torch.compile copies the kernel's globals into a generated module as text
+inside a string literal, where an escaped newline becomes a real one."""
 
 
 @triton.jit

@@ -29,9 +29,8 @@ from triton.compiler import ASTSource
 from coalesced_int4.kernels.w4a8 import _w4a8_kernel
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel
 
-POINTERS = {"x_ptr": "*bf16", "sc_ptr": "*u8", "ss_ptr": "*fp16", "zc_ptr": "*u8", "zs_ptr": "*fp16",
-            "out_ptr": "*bf16"}
-CODE_POINTER = {"w4a8": "*i32", "w4a16": "*i32"}  # the qdata view each family reads
+POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*u8", "ss_ptr": "*fp16", "zc_ptr": "*u8",
+            "zs_ptr": "*fp16", "out_ptr": "*bf16"}  # both families read qdata as int32 words
 DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_om")
 """Integer arguments that are multiples of 16 at every launch on model shapes."""
 # sm_90 per-SM limits: registers, shared memory (bytes), threads, and the shared memory the
@@ -62,7 +61,7 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False)
     """Compile one config of ``family``'s kernel for sm_90 and count what it issues."""
     kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     names = list(inspect.signature(kernel.fn).parameters)
-    pointers = {**POINTERS, "q_ptr": CODE_POINTER[family],
+    pointers = {**POINTERS,
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}

@@ -1,6 +1,8 @@
 """Shared test helpers. GPU tests use ``requires_cuda`` and skip cleanly without CUDA."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,17 @@ def private_autotune_cache(tmp_path_factory):
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def run_compiling_python(code: str, *args: str, path=()) -> subprocess.CompletedProcess:
+    """``python -c code args`` in a process without Triton's interpreter, whose kernels have
+    their source and compile for a GPU target (this process's kernels are interpreted on a
+    CPU). ``path``: folders put first on the child's PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="cpu"):

@@ -1,10 +1,6 @@
 """F.linear on a quantized weight: the dequant fallback is right for every input the kernels
 cannot take (CPU, other dtypes, M > 64, N-D, bias), chunks very tall weights, and compiles."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +8,7 @@ import torch.nn.functional as F
 from coalesced_int4 import CudaCoalescedInt4Tensor
 from coalesced_int4.dispatch import linear as dispatch_linear
 from coalesced_int4.quantize import dequantize_packed
+from tests.conftest import run_compiling_python
 
 
 def _reference(x, weight, bias=None):
@@ -107,8 +104,7 @@ def test_kernel_sources_survive_being_pasted_into_a_compiled_module():
     globals, into its generated module inside a non-raw triple-quoted string, where every
     backslash escape is read once more. An escaped newline in an inline-asm constant made
     every compiled W4A16 call fail to import on torch 2.11, so no kernel source may hold a
-    backslash. (Checked in a process without the interpreter, whose kernels have no source.)"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _PASTED_SOURCES], env=env, capture_output=True, text=True)
+    backslash."""
+    result = run_compiling_python(_PASTED_SOURCES)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == "", result.stdout

@@ -146,7 +146,7 @@ def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
 def test_w4a16_decodes_the_reference_bf16_weights_bit_for_bit(bucket):
     """One-hot activation rows pick single weights: an output is one weight times 1 plus exact
     zeros, so it must be the reference dequantization's bf16 weight, bit for bit. This pins the
-    rounding chain (no fused multiply-add), the nibble order and the kernel's relabeling of K,
+    rounding chain (no fused multiply-add) and which byte and nibble each weight is read from,
     at every column of a super-block, for each tile shape of the space."""
     n, k = 40, 512
     packed, _ = packed_weight(n, k, seed=bucket, device=DEVICE)

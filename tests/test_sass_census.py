@@ -4,11 +4,11 @@ the numbers design.md's kernel decisions quote before any device time is spent."
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import run_compiling_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,10 +26,8 @@ CENSUS = textwrap.dedent("""
 
 
 def _census(family, constants, warps):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")])
-    child = subprocess.run([sys.executable, "-c", CENSUS, json.dumps([family, constants, warps])],
-                           env=env, capture_output=True, text=True, timeout=600)
+    child = run_compiling_python(CENSUS, json.dumps([family, constants, warps]),
+                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 

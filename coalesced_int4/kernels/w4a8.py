@@ -240,7 +240,7 @@ def _add_row(
 
 @triton.jit
 def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
-               g0, end_group, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+               g0, end_group, GROUPS: tl.constexpr):
     """The weights of the trip at group ``g0``, as stored: code words [BLOCK_N, 4 * GROUPS],
     scale and zero codes and their steps [BLOCK_N, GROUPS]; zeros for groups past
     ``end_group``. Group g's 16 code bytes are words 4g..4g+3 of its row (word j holds
@@ -305,18 +305,18 @@ def _w4a8_kernel(
     acc3 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
     if PREFETCH:
         trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
-                          stride_sn, first_group, end_group, GROUPS, BLOCK_N)
+                          stride_sn, first_group, end_group, GROUPS)
     for g0 in tl.range(first_group, end_group, GROUPS, num_stages=STAGES):
         if PREFETCH:
             # The next trip's weights are requested before this trip's arithmetic so that
             # their memory latency overlaps it (past the split they are masked: no traffic).
             w, scale_codes, scale_steps, zero_codes, zero_steps = trip
             trip = _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn,
-                              stride_sn, g0 + GROUPS, end_group, GROUPS, BLOCK_N)
+                              stride_sn, g0 + GROUPS, end_group, GROUPS)
         else:
             w, scale_codes, scale_steps, zero_codes, zero_steps = _load_trip(
                 q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn, stride_sn,
-                g0, end_group, GROUPS, BLOCK_N)
+                g0, end_group, GROUPS)
         w_low = _group_words(w & 0x0F0F0F0F, GROUPS)
         w_high = _group_words(w & -252645136, GROUPS)  # 0xF0F0F0F0
         ws = scale_codes.to(tl.float32) * scale_steps.to(tl.float32)

@@ -77,6 +77,9 @@ RULES = {
     "static M": (_set(0, lambda x: torch.cat([x, x])), r"static M must be within \[1, 1\], got 2"),
     "contiguous": (_set(1, lambda t: torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device="cuda")),
                    "inputs must be contiguous"),
+    "word boundary": (_set(4, lambda t: torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+                                .as_strided(t.shape, t.stride(), 1)),
+                      "zero codes must start on a 4-byte boundary .*, got storage offset 1"),
     "cpu activation": (lambda a: a.__setitem__(slice(0, 6), [torch.empty(t.shape, dtype=t.dtype) for t in a[:6]]),
                        r"activation must be on a CUDA device \(or fake while tracing\)"),
     "device": (lambda a: a.__setitem__(2, torch.empty(a[2].shape, dtype=a[2].dtype)),

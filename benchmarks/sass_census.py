@@ -31,6 +31,8 @@ from coalesced_int4.kernels.w4a16 import _w4a16_kernel
 
 POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*u8", "ss_ptr": "*fp16", "zc_ptr": "*u8",
             "zs_ptr": "*fp16", "out_ptr": "*bf16"}  # both families read qdata as int32 words
+CODE_WORDS = {"sc_ptr": "*i32", "zc_ptr": "*i32"}
+"""W4A16 reads the scale and zero codes as int32 words too."""
 DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_om")
 """Integer arguments that are multiples of 16 at every launch on model shapes."""
 # sm_90 per-SM limits: registers, shared memory (bytes), threads, and the shared memory the
@@ -62,6 +64,7 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False)
     kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     names = list(inspect.signature(kernel.fn).parameters)
     pointers = {**POINTERS,
+                **(CODE_WORDS if family == "w4a16" else {}),
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}

@@ -44,6 +44,20 @@ def test_the_census_finds_the_k_loop_and_the_occupancy_limits(family, constants,
     assert 0 < len(result["main_loop"]) < result["instructions"]
     assert result["programs_per_sm"] == min(result["programs_by"].values()) >= 1
     if family == "w4a16":
-        # Three pipeline stages of 64 activation rows x 256 bf16 take 96 KB: one program per SM.
+        # Three pipeline stages of 64 activation rows x 256 bf16 take 96 KB: two programs per SM
+        # at most.
         assert result["shared"] >= 3 * 64 * 256 * 2
-        assert result["programs_by"]["shared memory"] == 1
+        assert 1 <= result["programs_by"]["shared memory"] <= 2
+
+
+@pytest.mark.parametrize("bucket", [8, 64])
+def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
+    """The scale and zero codes are read as int32 words a trip ahead, straight into the
+    registers of the decode's layout: the main loop stores nothing to shared memory (a layout
+    conversion would, and wait on a barrier every trip) and loads no single bytes."""
+    result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 2,
+                               "INTERPRET": False}, 4)
+    loop = result["main_loop"]
+    assert any(text.startswith("LDG.E ") for text in loop)  # the next trip's code words
+    assert not any(text.startswith("STS") for text in loop)
+    assert not any(text.startswith(("LDG.E.U8", "LDG.E.S8")) for text in loop)

@@ -44,16 +44,14 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
-def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights,
-                        code_dtype):
+def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):
     """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
-    if split_k > 1. Both kernels take ``(*activations, qdata viewed as code_dtype, scale,
-    scale_step, zero_point, zero_point_step, out, M, N, K, *activation_strides, row strides
-    of the qdata view, of the codes and of the steps, split_k, stride_s, stride_m, PARTIAL,
+    if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
+    zero_point_step, out, M, N, K, *activation_strides, row strides of qdata, of the codes
+    and of the steps (each in the element type of the view the launcher passes), split_k, stride_s, stride_m, PARTIAL,
     BUCKET, INTERPRET)``. The split count is a runtime argument so every split shares one
     binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
-    codes = qdata.view(code_dtype)
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
     if split_k == 1:
@@ -65,8 +63,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
 
-    args = (*activations, codes, scale, scale_step, zero_point, zero_point_step,
-            target, m, n, k, *activation_strides, codes.stride(0), scale.stride(0),
+    args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
+            target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
             scale_step.stride(0), split_k, stride_s, target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone

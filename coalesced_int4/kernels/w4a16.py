@@ -16,6 +16,7 @@ the two bf16 halves and OR-ed into ``0x4300``, the bf16 bits of ``128 + q`` (no 
 conversion), and the chain's subtractions and multiplication run on both weights at once, each
 rounded on its own (PTX does not fuse ``.rn`` operations, so the chain is the reference's). A
 thread then never unpacks weights it does not hold, whatever layout Triton picks for the dot.
+The scale and zero codes are read as int32 words too (four groups each), one trip ahead.
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ def _bf16_product(a, b, INTERPRET: tl.constexpr):
         return to_bf16(a.to(tl.float32) * b.to(tl.float32), INTERPRET)
     else:
         return a * b
+
+
+@triton.jit
+def _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, trip, BLOCK_K: tl.constexpr):
+    """The scale codes, scale step, zero codes and zero step of ``rows`` for main-loop trip
+    ``trip``: codes as int32 words [R, BLOCK_K // 128] (four groups each), steps [R]."""
+    codes = rows[:, None] * stride_cn + trip * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)[None, :]
+    step = rows * stride_sn + trip * BLOCK_K // 256
+    return tl.load(sc_ptr + codes), tl.load(ss_ptr + step), tl.load(zc_ptr + codes), tl.load(zs_ptr + step)
+
+
+@triton.jit
+def _group_values(code_words, step, INTERPRET: tl.constexpr):
+    """Words of four groups' uint8 codes each, low byte first [R, G // 4], and their
+    super-block's fp16 step [R] -> the groups' ``bf16(bf16(code) * bf16(step))`` [R, G]."""
+    GROUPS: tl.constexpr = 4 * code_words.shape[1]
+    byte = tl.arange(0, GROUPS)[None, :] % 4
+    codes = (repeat_columns(code_words, 4) >> (8 * byte)) & 0xFF
+    return _bf16_product(codes.to(tl.float32).to(tl.bfloat16),
+                         to_bf16(step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
 
 
 @triton.jit
@@ -101,8 +122,9 @@ def _w4a16_kernel(
     INTERPRET: tl.constexpr,
 ):
     """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
-    Row strides of the codes (qn, int32 words), scale/zero codes (cn) and steps (sn) are passed
-    apart from K so that Triton's divisibility specialization proves their alignment.
+    Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
+    steps (sn) are passed apart from K so that Triton's divisibility specialization proves
+    their alignment.
 
     BLOCK_N: weight rows per program. BLOCK_K: weights of K per main-loop trip, a super-block
     (256) or half of one (128: half the shared memory per pipeline stage and half the decoded
@@ -124,27 +146,24 @@ def _w4a16_kernel(
     # Rows >= M of the accumulator are never stored, so they may hold any finite values: those
     # rows read row M - 1 again instead of masking every activation load.
     x_rows = tl.minimum(offs_m, M - 1)
-    groups = tl.arange(0, BLOCK_K // 32)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
-    last_sb = first_sb + sb_count - 1
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
-    # The fp16 steps (one per row and super-block) are too narrow for the pipeliner's async
-    # copies, so they are prefetched by hand: the next trip's are requested before this
-    # trip's arithmetic instead of stalling every trip on a global load.
-    scale_step = tl.load(ss_ptr + rows * stride_sn + first_sb)
-    zero_step = tl.load(zs_ptr + rows * stride_sn + first_sb)
-    for trip in tl.range(first_trip, first_trip + sb_count * TRIPS_PER_SB, num_stages=STAGES):
+    # A trip's scale and zero codes and steps are a few bytes per row. Loaded in the trip that
+    # uses them, they stalled it on global memory and reached the decode's layout through
+    # shared memory behind a barrier; given to the pipeliner as words, they came back as 64
+    # four-byte copies a trip (offline sm_90). So they are loaded by hand one trip ahead, a
+    # loop-carried value the pipeliner leaves alone, straight into the decode's registers.
+    meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, first_trip, BLOCK_K)
+    last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
+    for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
         k0 = trip * BLOCK_K
         words = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 8 + words_of_trip[None, :])
-        meta = rows[:, None] * stride_cn + k0 // 32 + groups[None, :]
-        scale = _bf16_product(tl.load(sc_ptr + meta).to(tl.float32).to(tl.bfloat16),
-                              to_bf16(scale_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
-        zero = _bf16_product(tl.load(zc_ptr + meta).to(tl.float32).to(tl.bfloat16),
-                             to_bf16(zero_step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
-        next_step = rows * stride_sn + tl.minimum((trip + 1) // TRIPS_PER_SB, last_sb)
-        scale_step = tl.load(ss_ptr + next_step)
-        zero_step = tl.load(zs_ptr + next_step)
+        scale_codes, scale_step, zero_codes, zero_step = meta
+        meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn,
+                          tl.minimum(trip + 1, last_trip), BLOCK_K)
+        scale = _group_values(scale_codes, scale_step, INTERPRET)
+        zero = _group_values(zero_codes, zero_step, INTERPRET)
         w = _decode(words, zero, scale, INTERPRET)
         a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
         acc += bf16_dot(w, tl.trans(a), INTERPRET)
@@ -157,7 +176,12 @@ def _w4a16_kernel(
 
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
+    """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
+    int32 words (K % 256 == 0 makes every row a whole number of words)."""
+    qdata, scale, scale_step, zero_point, zero_point_step = weights
+    words = (qdata.view(torch.int32), scale.view(torch.int32), scale_step,
+             zero_point.view(torch.int32), zero_point_step)
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
-        activations=(x,), activation_strides=(x.stride(0),), weights=weights, code_dtype=torch.int32,
+        activations=(x,), activation_strides=(x.stride(0),), weights=words,
     )

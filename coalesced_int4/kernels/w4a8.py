@@ -358,10 +358,10 @@ def launch_w4a8(bucket, x, weights, *, split_k: int, prequantize: bool, kernel):
     """Run ``kernel`` (the bucket's autotuner or a single-config one) on bf16 ``x``,
     quantized inside the GEMM or first by ``quantize_activations`` (``prequantize``)."""
     m, k = x.shape
+    qdata, *meta = weights
     if prequantize:
         x = quantize_activations(x)
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=m, k=k, split_k=split_k,
-        activations=(x,), activation_strides=(x.stride(0),), weights=weights,
-        code_dtype=torch.int32,
+        activations=(x,), activation_strides=(x.stride(0),), weights=(qdata.view(torch.int32), *meta),
     )

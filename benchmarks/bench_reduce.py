@@ -1,0 +1,56 @@
+"""Time the split-K reduction alone, the second launch of every GEMM with split_k > 1.
+
+For each N, M and split: fp32 partials ``[split, M, N]`` (L2-resident, as right after the
+GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` as
+``launch_split_k_gemm`` launches it, timed with ``triton.testing.do_bench_cudagraph`` (a CUDA
+graph of back-to-back launches); an empty kernel timed the same way gives the floor.
+
+    python benchmarks/bench_reduce.py --ns 8448,4096,14336,256 --ms 16,64 --splits 2,4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from coalesced_int4.kernels.split_k import REDUCE_BLOCK_N, _splitk_reduce_kernel
+
+
+@triton.jit
+def _empty_kernel(ptr):
+    pass
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ns", default="8448,4096,14336,256")
+    parser.add_argument("--ms", default="16,64")
+    parser.add_argument("--splits", default="2,4,8,16")
+    args = parser.parse_args(argv)
+    anchor = torch.empty(1, device="cuda")
+    empty_us = do_bench_cudagraph(lambda: _empty_kernel[(1,)](anchor), rep=200) * 1e3
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"REDUCE_BLOCK_N {REDUCE_BLOCK_N}; an empty kernel: {empty_us:.2f} us")
+    print("| N | M | split | reduction us |\n|---|---|---|---|")
+    for n in (int(v) for v in args.ns.split(",")):
+        for m in (int(v) for v in args.ms.split(",")):
+            for split in (int(v) for v in args.splits.split(",")):
+                partials = torch.randn(split, m, n, device="cuda")
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+                def reduce():
+                    _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+                        partials, out, n, partials.stride(0), partials.stride(1), out.stride(0),
+                        SPLIT_K=split, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=False, num_warps=4)
+
+                print(f"| {n} | {m} | {split} | {do_bench_cudagraph(reduce, rep=200) * 1e3:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

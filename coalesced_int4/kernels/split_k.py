@@ -48,9 +48,9 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
     if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
     zero_point_step, out, M, N, K, *activation_strides, row strides of qdata, of the codes
-    and of the steps (each in the element type of the view the launcher passes), split_k, stride_s, stride_m, PARTIAL,
-    BUCKET, INTERPRET)``. The split count is a runtime argument so every split shares one
-    binary."""
+    and of the steps, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET)``, the weights
+    as the family's launcher views them (strides in the view's elements). The split count is
+    a runtime argument so every split shares one binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)

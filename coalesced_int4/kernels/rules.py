@@ -30,9 +30,10 @@ PREQUANTIZE_CANDIDATES = (False, True)
 TILE_SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16, 32)
 """Split-K values timed for the W4A16 buckets (narrow N keeps gaining from more splits)."""
 
-WORD_BYTES = 4
-"""The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as int32
-words: each row holds whole words since K % 256 == 0, and each tensor must start on a word."""
+CODE_WORD = torch.int32
+"""The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of
+this dtype: each row holds whole words since K % 256 == 0, and each tensor must start on a
+word."""
 
 _ALLOWED_DTYPES = (
     ("activation", 0, (torch.bfloat16,)),
@@ -79,9 +80,9 @@ def unsupported_reason(
     if not all(t.is_contiguous() for t in tensors):
         return "inputs must be contiguous"
     for name, t in (("qdata", qdata), ("scale codes", scale), ("zero codes", zero_point)):
-        if t.storage_offset() % WORD_BYTES:
-            return (f"{name} must start on a {WORD_BYTES}-byte boundary (the kernels read it as int32 "
-                    f"words), got storage offset {t.storage_offset()}")
+        if t.storage_offset() % CODE_WORD.itemsize:
+            return (f"{name} must start on a {CODE_WORD.itemsize}-byte boundary (the kernels read it as "
+                    f"{str(CODE_WORD).removeprefix('torch.')} words), got storage offset {t.storage_offset()}")
     if not (x.is_cuda or is_fake(x)):
         return "activation must be on a CUDA device (or fake while tracing)"
     if any(t.device != x.device for t in tensors[1:]):

@@ -21,11 +21,11 @@ The scale and zero codes are read as int32 words too (four groups each), one tri
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
+from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
@@ -177,10 +177,9 @@ def _w4a16_kernel(
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
-    int32 words (K % 256 == 0 makes every row a whole number of words)."""
+    ``CODE_WORD`` words."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
-    words = (qdata.view(torch.int32), scale.view(torch.int32), scale_step,
-             zero_point.view(torch.int32), zero_point_step)
+    words = (qdata.view(CODE_WORD), scale.view(CODE_WORD), scale_step, zero_point.view(CODE_WORD), zero_point_step)
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,

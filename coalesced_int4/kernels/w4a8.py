@@ -37,6 +37,7 @@ from triton.language.extra.cuda import libdevice
 from coalesced_int4.kernels import family
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.rounding import to_bf16
+from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
@@ -363,5 +364,5 @@ def launch_w4a8(bucket, x, weights, *, split_k: int, prequantize: bool, kernel):
         x = quantize_activations(x)
     return launch_split_k_gemm(
         kernel, bucket=bucket, m=m, k=k, split_k=split_k,
-        activations=(x,), activation_strides=(x.stride(0),), weights=(qdata.view(torch.int32), *meta),
+        activations=(x,), activation_strides=(x.stride(0),), weights=(qdata.view(CODE_WORD), *meta),
     )

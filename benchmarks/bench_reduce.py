@@ -1,9 +1,10 @@
 """Time the split-K reduction alone, the second launch of every GEMM with split_k > 1.
 
 For each N, M and split: fp32 partials ``[split, M, N]`` (L2-resident, as right after the
-GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` as
-``launch_split_k_gemm`` launches it, timed with ``triton.testing.do_bench_cudagraph`` (a CUDA
-graph of back-to-back launches); an empty kernel timed the same way gives the floor.
+GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` with the
+launch ``launch_split_k_gemm`` uses (``reduction_launch``), timed with
+``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back launches); an empty
+kernel timed the same way gives the floor.
 
     python benchmarks/bench_reduce.py --ns 8448,4096,14336,256 --ms 16,64 --splits 2,4,8,16
 """
@@ -11,6 +12,7 @@ graph of back-to-back launches); an empty kernel timed the same way gives the fl
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import List, Optional
 
@@ -18,7 +20,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from coalesced_int4.kernels.split_k import REDUCE_BLOCK_N, _splitk_reduce_kernel
+from coalesced_int4.kernels.split_k import REDUCE_BLOCK_N, _splitk_reduce_kernel, reduction_launch
 
 
 @triton.jit
@@ -43,11 +45,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 partials = torch.randn(split, m, n, device="cuda")
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-                def reduce():
-                    _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
-                        partials, out, n, partials.stride(0), partials.stride(1), out.stride(0),
-                        SPLIT_K=split, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=False, num_warps=4)
-
+                grid, launch_args, meta = reduction_launch(partials, out, m)
+                reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
                 print(f"| {n} | {m} | {split} | {do_bench_cudagraph(reduce, rep=200) * 1e3:.2f} |", flush=True)
     return 0
 

@@ -44,6 +44,15 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
+def reduction_launch(partials, out, m):
+    """The grid, arguments and meta-parameters of ``_splitk_reduce_kernel`` summing the first
+    ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N]."""
+    split_k, _, n = partials.shape
+    grid = (triton.cdiv(n, REDUCE_BLOCK_N), m)
+    args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0))
+    return grid, args, dict(SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4)
+
+
 def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):
     """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
     if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
@@ -71,7 +80,6 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
         kernel = tuned_kernel(kernel, args, kwargs)
     family.wrap_triton(kernel)[grid](*args, **kwargs)
     if split_k > 1:
-        launch_or_queue(family.wrap_triton(_splitk_reduce_kernel), (triton.cdiv(n, REDUCE_BLOCK_N), m),
-                        target, out, n, stride_s, target.stride(-2), out.stride(0), SPLIT_K=split_k,
-                        BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4)
+        grid, args, meta = reduction_launch(target, out, m)
+        launch_or_queue(family.wrap_triton(_splitk_reduce_kernel), grid, *args, **meta)
     return out

@@ -77,9 +77,11 @@ def _group_values(code_words, step, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _in_both_halves(values):
-    """bf16 values -> int32 holding each value in both halves (a bf16x2 operand)."""
-    bits = values.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return bits | (bits << 16)
+    """bf16 values -> int32 holding each value in both halves (a bf16x2 operand). One PTX
+    ``mov`` (a single ``PRMT``), where the same in Triton's integer ops (extend, mask, shift,
+    or) came out as three instructions a value."""
+    return tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [values],
+                                     dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 For each N, M and split: fp32 partials ``[split, M, N]`` (L2-resident, as right after the
 GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` with the
-launch ``launch_split_k_gemm`` uses (``reduction_launch``), timed with
+launch ``launch_split_k_gemm`` uses (``reduction_launch``) at every width of
+``REDUCE_WIDTHS``, the one ``reduce_width`` picks marked with *, timed with
 ``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back launches); an empty
 kernel timed the same way gives the floor.
 
@@ -20,7 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from coalesced_int4.kernels.split_k import REDUCE_BLOCK_N, _splitk_reduce_kernel, reduction_launch
+from coalesced_int4.kernels.split_k import REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch
 
 
 @triton.jit
@@ -37,17 +38,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     anchor = torch.empty(1, device="cuda")
     empty_us = do_bench_cudagraph(lambda: _empty_kernel[(1,)](anchor), rep=200) * 1e3
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"REDUCE_BLOCK_N {REDUCE_BLOCK_N}; an empty kernel: {empty_us:.2f} us")
-    print("| N | M | split | reduction us |\n|---|---|---|---|")
+          f"an empty kernel: {empty_us:.2f} us")
+    widths = " | ".join(f"{w} columns us" for w in REDUCE_WIDTHS)
+    print(f"| N | M | split | {widths} |\n|---|---|---|{'---|' * len(REDUCE_WIDTHS)}")
     for n in (int(v) for v in args.ns.split(",")):
         for m in (int(v) for v in args.ms.split(",")):
             for split in (int(v) for v in args.splits.split(",")):
                 partials = torch.randn(split, m, n, device="cuda")
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-                grid, launch_args, meta = reduction_launch(partials, out, m)
-                reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
-                print(f"| {n} | {m} | {split} | {do_bench_cudagraph(reduce, rep=200) * 1e3:.2f} |", flush=True)
+                times = []
+                for width in REDUCE_WIDTHS:
+                    grid, launch_args, meta = reduction_launch(partials, out, m, width)
+                    reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
+                    picked = "*" if width == reduce_width(n, m) else ""
+                    times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{picked}")
+                print(f"| {n} | {m} | {split} | {' | '.join(times)} |", flush=True)
     return 0
 
 

@@ -8,7 +8,9 @@ import triton.language as tl
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.rules import kernel_config
-from coalesced_int4.kernels.split_k import split_bounds
+from coalesced_int4.kernels.split_k import (
+    REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds,
+)
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight
@@ -188,6 +190,25 @@ def test_split_k_reduction_is_bit_identical(bucket):
     x = _x(bucket, 1536, seed=4)
     first = launch(bucket, x, *packed, 32, split_k=4)
     assert torch.equal(first, launch(bucket, x, *packed, 32, split_k=4))
+
+
+@pytest.mark.parametrize("width", REDUCE_WIDTHS)
+def test_split_k_reduction_sums_in_split_order_at_every_width(width):
+    generator = torch.Generator().manual_seed(6)
+    partials = torch.randn(3, 8, 600, generator=generator)
+    partials[0] *= 1e8
+    partials[1] = -partials[0]  # splits 0 and 1 cancel exactly only when added first
+    partials = partials.to(DEVICE)
+    out = torch.empty(5, 600, dtype=torch.bfloat16, device=DEVICE)
+    grid, args, meta = reduction_launch(partials, out, 5, width)
+    _splitk_reduce_kernel[grid](*args, **meta)
+    in_split_order = (partials[0] + partials[1]) + partials[2]
+    assert torch.equal(out, in_split_order[:5].to(torch.bfloat16))
+
+
+def test_reduction_programs_are_wide_only_where_they_still_fill_the_gpu():
+    assert reduce_width(8448, 64) == 512 and reduce_width(4096, 64) == 512
+    assert reduce_width(256, 64) == 128 and reduce_width(8448, 8) == 128
 
 
 @triton.jit

@@ -17,7 +17,20 @@ from coalesced_int4.kernels import family
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue, tuned_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 
-REDUCE_BLOCK_N = 128
+REDUCE_WIDTHS = (128, 512)
+"""Columns a reduction program sums (``reduce_width`` picks one)."""
+REDUCE_PROGRAMS_WANTED = 256
+"""About two reduction programs per SM of an H100/H200 (132 SMs): wide programs only where
+they still make this many."""
+
+
+def reduce_width(n: int, bucket: int) -> int:
+    """Columns per reduction program for ``bucket`` rows of N columns: 512 where that still
+    makes ``REDUCE_PROGRAMS_WANTED`` programs (one per 512 columns of each row), else 128. At
+    M = 64 programs of 128 columns are too fine (4224 of them on N = 8448) and the wide ones
+    halve the reduction; on narrow N they would leave SMs idle (256 x 6656 at split 16)."""
+    wide, narrow = REDUCE_WIDTHS[1], REDUCE_WIDTHS[0]
+    return wide if triton.cdiv(n, wide) * bucket >= REDUCE_PROGRAMS_WANTED else narrow
 
 
 @triton.jit
@@ -44,13 +57,15 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
-def reduction_launch(partials, out, m):
+def reduction_launch(partials, out, m, width=None):
     """The grid, arguments and meta-parameters of ``_splitk_reduce_kernel`` summing the first
-    ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N]."""
-    split_k, _, n = partials.shape
-    grid = (triton.cdiv(n, REDUCE_BLOCK_N), m)
+    ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N], ``width``
+    columns a program (default ``reduce_width``; benchmarks time the others)."""
+    split_k, bucket, n = partials.shape
+    width = width or reduce_width(n, bucket)
+    grid = (triton.cdiv(n, width), m)
     args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0))
-    return grid, args, dict(SPLIT_K=split_k, BLOCK_N=REDUCE_BLOCK_N, INTERPRET=family.INTERPRETER, num_warps=4)
+    return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4)
 
 
 def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):

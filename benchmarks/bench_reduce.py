@@ -51,7 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for width in REDUCE_WIDTHS:
                     grid, launch_args, meta = reduction_launch(partials, out, m, width)
                     reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
-                    picked = "*" if width == reduce_width(n, m) else ""
+                    picked = "*" if width == reduce_width(n, m, split) else ""
                     times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{picked}")
                 print(f"| {n} | {m} | {split} | {' | '.join(times)} |", flush=True)
     return 0

@@ -206,9 +206,10 @@ def test_split_k_reduction_sums_in_split_order_at_every_width(width):
     assert torch.equal(out, in_split_order[:5].to(torch.bfloat16))
 
 
-def test_reduction_programs_are_wide_only_where_they_still_fill_the_gpu():
-    assert reduce_width(8448, 64) == 512 and reduce_width(4096, 64) == 512
-    assert reduce_width(256, 64) == 128 and reduce_width(8448, 8) == 128
+def test_reduction_programs_are_wide_only_for_few_splits_that_still_fill_the_gpu():
+    assert reduce_width(8448, 64, 2) == reduce_width(4096, 16, 4) == reduce_width(8448, 8, 4) == 512
+    assert reduce_width(8448, 64, 16) == 128  # each split is one more load a column
+    assert reduce_width(256, 64, 2) == reduce_width(4096, 8, 2) == 128  # too few programs
 
 
 @triton.jit

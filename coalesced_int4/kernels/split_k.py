@@ -19,18 +19,24 @@ from coalesced_int4.kernels.rounding import to_bf16
 
 REDUCE_WIDTHS = (128, 512)
 """Columns a reduction program sums (``reduce_width`` picks one)."""
-REDUCE_PROGRAMS_WANTED = 256
-"""About two reduction programs per SM of an H100/H200 (132 SMs): wide programs only where
+REDUCE_PROGRAMS_WANTED = 128
+"""About one reduction program per SM of an H100/H200 (132 SMs): wide programs only where
 they still make this many."""
+REDUCE_WIDE_SPLITS = 4
+"""The most splits a wide program sums: each split is one more load and add for every
+column, so a wide program's latency grows with the split while a narrow grid spreads it."""
 
 
-def reduce_width(n: int, bucket: int) -> int:
-    """Columns per reduction program for ``bucket`` rows of N columns: 512 where that still
-    makes ``REDUCE_PROGRAMS_WANTED`` programs (one per 512 columns of each row), else 128. At
-    M = 64 programs of 128 columns are too fine (4224 of them on N = 8448) and the wide ones
-    halve the reduction; on narrow N they would leave SMs idle (256 x 6656 at split 16)."""
+def reduce_width(n: int, bucket: int, split_k: int) -> int:
+    """Columns per reduction program for ``split_k`` partials of ``bucket`` rows of N columns:
+    512 where at most ``REDUCE_WIDE_SPLITS`` splits are summed and 512-column programs (one
+    per 512 columns of each row) still number ``REDUCE_PROGRAMS_WANTED``, else 128. Measured
+    on the H200 (bench_reduce.py, docs/benchmarks.md): at M = 64 and 2-4 splits programs of
+    128 columns are too fine (4224 of them on N = 8448) and the wide ones take half the time;
+    at 16 splits, or with few programs (N = 256), the wide ones are slower."""
     wide, narrow = REDUCE_WIDTHS[1], REDUCE_WIDTHS[0]
-    return wide if triton.cdiv(n, wide) * bucket >= REDUCE_PROGRAMS_WANTED else narrow
+    fills = triton.cdiv(n, wide) * bucket >= REDUCE_PROGRAMS_WANTED
+    return wide if split_k <= REDUCE_WIDE_SPLITS and fills else narrow
 
 
 @triton.jit
@@ -62,7 +68,7 @@ def reduction_launch(partials, out, m, width=None):
     ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N], ``width``
     columns a program (default ``reduce_width``; benchmarks time the others)."""
     split_k, bucket, n = partials.shape
-    width = width or reduce_width(n, bucket)
+    width = width or reduce_width(n, bucket, split_k)
     grid = (triton.cdiv(n, width), m)
     args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0))
     return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4)

@@ -46,13 +46,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             for split in (int(v) for v in args.splits.split(",")):
                 partials = torch.randn(split, m, n, device="cuda")
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-
+                picked = reduce_width(n, m, split)
                 times = []
                 for width in REDUCE_WIDTHS:
                     grid, launch_args, meta = reduction_launch(partials, out, m, width)
                     reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
-                    picked = "*" if width == reduce_width(n, m, split) else ""
-                    times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{picked}")
+                    times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{'*' if width == picked else ''}")
                 print(f"| {n} | {m} | {split} | {' | '.join(times)} |", flush=True)
     return 0
 

@@ -34,7 +34,7 @@ def reduce_width(n: int, bucket: int, split_k: int) -> int:
     on the H200 (bench_reduce.py, docs/benchmarks.md): at M = 64 and 2-4 splits programs of
     128 columns are too fine (4224 of them on N = 8448) and the wide ones take half the time;
     at 16 splits, or with few programs (N = 256), the wide ones are slower."""
-    wide, narrow = REDUCE_WIDTHS[1], REDUCE_WIDTHS[0]
+    narrow, wide = REDUCE_WIDTHS
     fills = triton.cdiv(n, wide) * bucket >= REDUCE_PROGRAMS_WANTED
     return wide if split_k <= REDUCE_WIDE_SPLITS and fills else narrow
 

@@ -59,19 +59,26 @@ def cuobjdump(*args: str) -> str:
     return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
 
 
-def census(family: str, constants: dict, warps: int, prequantized: bool = False) -> Census:
-    """Compile one config of ``family``'s kernel for sm_90 and count what it issues."""
-    kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
+def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1):
+    """``kernel`` compiled for sm_90 offline: ``pointers`` maps pointer arguments to Triton
+    types, ``constants`` the constexpr ones; every other argument is an int32, and pointers
+    and ``DIVISIBLE_BY_16`` arguments are specialized as a launch on model shapes does."""
     names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def census(family: str, constants: dict, warps: int, prequantized: bool = False) -> Census:
+    """Compile one config of ``family``'s kernel for sm_90 as an eager launch on the GPU does
+    (``DEPENDENT_LAUNCH`` unless ``constants`` says otherwise) and count what it issues."""
+    kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     pointers = {**POINTERS,
                 **(CODE_WORDS if family == "w4a16" else {}),
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": constants["STAGES"]})
+    compiled = compile_for_sm90(kernel, pointers, {"DEPENDENT_LAUNCH": True, **constants}, warps, constants["STAGES"])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()

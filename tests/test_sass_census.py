@@ -65,3 +65,50 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     # Each group value is copied into both halves of the decode's bf16x2 operand by one PRMT;
     # built from integer ops, it took a mask and a multiply by 0x10001 as well.
     assert not any("0x10001" in text for text in loop)
+
+
+# Each kernel launched with programmatic dependent launch, compiled as ``dependent_launch``
+# says: the PTX (in program order, the wait first in the entry block) of each.
+DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
+    import json, sys
+    from sass_census import POINTERS, CODE_WORDS, compile_for_sm90
+    from coalesced_int4.kernels.split_k import _splitk_reduce_kernel
+    from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel
+    from coalesced_int4.kernels.w4a16 import _w4a16_kernel
+    dependent = json.loads(sys.argv[1])
+    kernels = {
+        "w4a16": (_w4a16_kernel, {**POINTERS, **CODE_WORDS},
+                  dict(PARTIAL=False, BUCKET=16, BLOCK_N=64, BLOCK_K=128, STAGES=2, INTERPRET=False)),
+        "w4a8": (_w4a8_kernel, POINTERS,
+                 dict(PARTIAL=False, BUCKET=4, BLOCK_N=16, GROUPS=32, STAGES=2, PREFETCH=False, INTERPRET=False)),
+        "quantize": (_quantize_kernel, {"x_ptr": "*bf16", "out_ptr": "*i32"}, dict(GROUPS=16, INTERPRET=False)),
+        "reduce": (_splitk_reduce_kernel, {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
+                   dict(SPLIT_K=4, BLOCK_N=128, INTERPRET=False)),
+    }
+    ptx = {name: compile_for_sm90(kernel, pointers, {**constants, "DEPENDENT_LAUNCH": dependent}, 4,
+                                  constants.get("STAGES", 1)).asm["ptx"]
+           for name, (kernel, pointers, constants) in kernels.items()}
+    print(json.dumps(ptx))
+""")
+GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
+
+
+def _dependent_launch_ptx(dependent: bool) -> dict:
+    child = run_compiling_python(DEPENDENT_LAUNCH_PTX, json.dumps(dependent),
+                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_dependent_launches_wait_for_the_previous_kernel_before_any_global_memory_access():
+    """A kernel launched with programmatic dependent launch may start before the previous
+    kernel on the stream ends: each of the family's kernels waits for it before it reads or
+    writes global memory, and lets the next kernel launch; compiled without it, neither
+    instruction is there."""
+    for name, ptx in _dependent_launch_ptx(True).items():
+        wait = ptx.find("griddepcontrol.wait")
+        first_access = min(i for i in (ptx.find(op) for op in GLOBAL_ACCESSES) if i >= 0)
+        assert 0 <= wait < first_access, name
+        assert ptx.find("griddepcontrol.launch_dependents") > wait, name
+    for name, ptx in _dependent_launch_ptx(False).items():
+        assert "griddepcontrol" not in ptx, name

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 
-from coalesced_int4.kernels import family
+from coalesced_int4.kernels import dependent_launch, family
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue, tuned_kernel
+from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 
 REDUCE_WIDTHS = (128, 512)
@@ -51,15 +52,18 @@ def split_bounds(split, split_k, super_blocks):
 @triton.jit
 def _splitk_reduce_kernel(
     partial_ptr, out_ptr, N, stride_s, stride_pm, stride_om,
-    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending."""
+    """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending.
+    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``)."""
+    wait_for_previous_kernel(DEPENDENT_LAUNCH)
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     mask = offs < N
     total = tl.zeros((BLOCK_N,), tl.float32)
     for s in tl.static_range(SPLIT_K):
         total += tl.load(partial_ptr + s * stride_s + row * stride_pm + offs, mask=mask, other=0.0)
+    let_next_kernel_launch(DEPENDENT_LAUNCH)
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
@@ -71,14 +75,16 @@ def reduction_launch(partials, out, m, width=None):
     width = width or reduce_width(n, bucket, split_k)
     grid = (triton.cdiv(n, width), m)
     args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0))
-    return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4)
+    return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4,
+                            **dependent_launch.options(out.device))
 
 
 def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):
     """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
     if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
     zero_point_step, out, M, N, K, *activation_strides, row strides of qdata, of the codes
-    and of the steps, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET)``, the weights
+    and of the steps, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET,
+    DEPENDENT_LAUNCH)``, the weights
     as the family's launcher views them (strides in the view's elements). The split count is
     a runtime argument so every split shares one binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
@@ -96,7 +102,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
             scale_step.stride(0), split_k, stride_s, target.stride(-2))
-    kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER}
+    kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
+              **dependent_launch.options(qdata.device)}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.wrap_triton(kernel)[grid](*args, **kwargs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
@@ -122,6 +123,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
@@ -133,9 +135,11 @@ def _w4a16_kernel(
     tile's registers, for more programs per SM at large buckets). STAGES: software-pipelining
     depth over trips. INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these
     values), since the interpreter computes bf16 math on raw bits. PARTIAL: write fp32
-    partials [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs.
+    partials [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH:
+    launched with programmatic dependent launch (``dependent_launch``).
     """
     TRIPS_PER_SB: tl.constexpr = 256 // BLOCK_K
+    wait_for_previous_kernel(DEPENDENT_LAUNCH)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,6 +173,7 @@ def _w4a16_kernel(
         w = _decode(words, zero, scale, INTERPRET)
         a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
         acc += bf16_dot(w, tl.trans(a), INTERPRET)
+    let_next_kernel_launch(DEPENDENT_LAUNCH)
     ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if not PARTIAL:

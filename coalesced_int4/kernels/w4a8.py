@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from coalesced_int4.kernels import family
+from coalesced_int4.kernels import dependent_launch, family
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue
+from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
@@ -132,9 +133,12 @@ def _quantize_groups(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, GROUPS: tl.constexpr, INTERPRET: tl.constexpr):
+def _quantize_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, GROUPS: tl.constexpr, INTERPRET: tl.constexpr,
+                     DEPENDENT_LAUNCH: tl.constexpr):
     """Program (block of GROUPS groups, row): bf16 activations -> ``WORDS_PER_GROUP`` int32
-    words a group of 32, the same values the GEMM's own quantization makes."""
+    words a group of 32, the same values the GEMM's own quantization makes.
+    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``)."""
+    wait_for_previous_kernel(DEPENDENT_LAUNCH)
     row = tl.program_id(1)
     group_idx = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
     mask = (group_idx < K // 32)[:, None]
@@ -143,6 +147,7 @@ def _quantize_kernel(x_ptr, out_ptr, K, stride_xm, stride_om, GROUPS: tl.constex
     even, odd, scale, sums = _quantize_groups(v.to(tl.float32), INTERPRET)
     word = tl.arange(0, 4)[None, :]
     meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None], tl.where(word == 1, sums[:, None], 0))
+    let_next_kernel_launch(DEPENDENT_LAUNCH)
     ptrs = out_ptr + row * stride_om + group_idx[:, None] * WORDS_PER_GROUP + word
     tl.store(ptrs, even, mask=mask)
     tl.store(ptrs + 4, odd, mask=mask)
@@ -159,7 +164,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, k // 32 * WORDS_PER_GROUP), dtype=torch.int32, device=x.device)
     launch_or_queue(family.wrap_triton(_quantize_kernel), (triton.cdiv(k // 32, QUANTIZE_GROUPS), m),
                     x, out, k, x.stride(0), out.stride(0), GROUPS=QUANTIZE_GROUPS,
-                    INTERPRET=family.INTERPRETER, num_warps=4)
+                    INTERPRET=family.INTERPRETER, num_warps=4, **dependent_launch.options(x.device))
     return out
 
 
@@ -275,6 +280,7 @@ def _w4a8_kernel(
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
     ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (the pointer's
@@ -289,9 +295,11 @@ def _w4a8_kernel(
     thread, more registers: it wins at M = 1 and loses at M = 4 on the H200, so it is timed
     like the tile). INTERPRET: portable dp4a and bf16 rounding for Triton's interpreter
     (inline PTX otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1)
-    instead of bf16 outputs.
+    instead of bf16 outputs. DEPENDENT_LAUNCH: launched with programmatic dependent launch
+    (``dependent_launch``).
     """
     PREQUANTIZED: tl.constexpr = x_ptr.dtype.element_ty == tl.int32
+    wait_for_previous_kernel(DEPENDENT_LAUNCH)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -337,6 +345,7 @@ def _w4a8_kernel(
         if BUCKET > 3:
             acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group,
                             GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+    let_next_kernel_launch(DEPENDENT_LAUNCH)
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:

@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (Hopper's PDL) for the GEMM family's kernels.
+
+Launched with ``launch_pdl``, a kernel's programs may start while the kernel before it on the
+stream is still running: its launch and set-up overlap that kernel's last programs, instead
+of waiting for them to exit. That was about 1 µs a GEMM call on the H200 (a GEMM and its
+split-K reduction, called back to back; docs/benchmarks.md, session 14).
+
+Every kernel launched with ``options(device)`` keeps this contract:
+
+- it calls ``wait_for_previous_kernel`` before its first global memory access, read or
+  write: the previous kernel's outputs are complete only after the wait, and the previous
+  kernel may still read memory that the caching allocator has handed to this one;
+- it calls ``let_next_kernel_launch`` once its main loop is done, so that the next kernel is
+  launched while this one stores. Earlier, the next kernel's programs would hold SM slots
+  idle in their own wait while this one still computes (measured slower on the H200).
+
+Dependent launch is used for eager launches on sm_90 and newer, CUDA graphs captured from
+them included. Traced launches (torch.compile, AOTInductor) and Triton's interpreter compile
+the kernels without it, and there the two calls compile to nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch._library.triton import is_wrap_triton_enabled
+
+from coalesced_int4.kernels import family
+
+MIN_CAPABILITY = (9, 0)
+"""``griddepcontrol`` is PTX for sm_90 and newer."""
+
+
+def options(device: torch.device) -> dict:
+    """The kernel arguments of a launch on ``device``: ``DEPENDENT_LAUNCH`` for the kernel,
+    and ``launch_pdl`` for Triton's launcher where it is on. Called inside the family's
+    launch, where wrap_triton is enabled only while tracing (``int4_gemm.launch``)."""
+    enabled = (not family.INTERPRETER and not is_wrap_triton_enabled() and device.type == "cuda"
+               and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY)
+    return {"DEPENDENT_LAUNCH": enabled, "launch_pdl": True} if enabled else {"DEPENDENT_LAUNCH": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(DEPENDENT_LAUNCH: tl.constexpr):
+    """Block until the previous kernel on the stream has finished and its writes are visible."""
+    if DEPENDENT_LAUNCH:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def let_next_kernel_launch(DEPENDENT_LAUNCH: tl.constexpr):
+    """Allow the next kernel on the stream to launch once every program has called this (or
+    exited)."""
+    if DEPENDENT_LAUNCH:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -5,7 +5,9 @@ GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` 
 launch ``launch_split_k_gemm`` uses (``reduction_launch``) at every width of
 ``REDUCE_WIDTHS``, the one ``reduce_width`` picks marked with *, timed with
 ``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back launches); an empty
-kernel timed the same way gives the floor.
+kernel timed the same way gives the floor. Called outside the family's launch, the
+reductions run without dependent launch (``dependent_launch.options``), so one does not
+overlap the next.
 
     python benchmarks/bench_reduce.py --ns 8448,4096,14336,256 --ms 16,64 --splits 2,4,8,16
 """

@@ -11,8 +11,9 @@ Every kernel launched with ``options(device)`` keeps this contract:
   write: the previous kernel's outputs are complete only after the wait, and the previous
   kernel may still read memory that the caching allocator has handed to this one;
 - it calls ``let_next_kernel_launch`` once its main loop is done, so that the next kernel is
-  launched while this one stores. Earlier, the next kernel's programs would hold SM slots
-  idle in their own wait while this one still computes (measured slower on the H200).
+  launched while this one stores. Called at a kernel's start instead, it let the next
+  kernel's programs hold SM slots in their own wait while this one still computed: up to
+  6 µs slower a call on the H200.
 
 Dependent launch is used for eager launches on sm_90 and newer, CUDA graphs captured from
 them included. Traced launches (torch.compile, AOTInductor) and Triton's interpreter compile

@@ -46,8 +46,7 @@ def options(device: torch.device) -> dict:
 def wait_for_previous_kernel(DEPENDENT_LAUNCH: tl.constexpr):
     """Block until the previous kernel on the stream has finished and its writes are visible."""
     if DEPENDENT_LAUNCH:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -55,5 +54,4 @@ def let_next_kernel_launch(DEPENDENT_LAUNCH: tl.constexpr):
     """Allow the next kernel on the stream to launch once every program has called this (or
     exited)."""
     if DEPENDENT_LAUNCH:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        tl.extra.cuda.gdc_launch_dependents()

@@ -54,17 +54,22 @@ def test_the_census_finds_the_k_loop_and_the_occupancy_limits(family, constants,
 def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     """The scale and zero codes are read as int32 words a trip ahead, straight into the
     registers of the decode's layout: the main loop stores nothing to shared memory (a layout
-    conversion would, and wait on a barrier every trip), loads no single bytes, and spends one
-    instruction putting each group value in both halves of a bf16x2 operand."""
+    conversion would, and wait on a barrier every trip) and loads no single bytes. Each lane
+    of a quad converts one group's scale and zero codes and the quad shares them by shuffles:
+    two conversions a shuffle (a scale and a zero per group, each shuffle one group of one
+    row), where each lane converting every group of its rows took eight, and the lane id is
+    read once, before the loop."""
     result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 2,
                                "INTERPRET": False}, 4)
     loop = result["main_loop"]
     assert any(text.startswith("LDG.E ") for text in loop)  # the next trip's code words
     assert not any(text.startswith("STS") for text in loop)
     assert not any(text.startswith(("LDG.E.U8", "LDG.E.S8")) for text in loop)
-    # Each group value is copied into both halves of the decode's bf16x2 operand by one PRMT;
-    # built from integer ops, it took a mask and a multiply by 0x10001 as well.
-    assert not any("0x10001" in text for text in loop)
+    conversions = sum(text.startswith("I2F") for text in loop)
+    shuffles = sum(text.startswith("SHFL.IDX") for text in loop)
+    # 64 rows over 4 warps of 8 quads: 2 rows a thread, 4 groups a trip of 128.
+    assert (conversions, shuffles) == (2 * 2, 2 * 4)
+    assert not any(text.startswith("S2R") for text in loop)
 
 
 # Each kernel launched with programmatic dependent launch, compiled as ``dependent_launch``

@@ -16,7 +16,12 @@ the two bf16 halves and OR-ed into ``0x4300``, the bf16 bits of ``128 + q`` (no 
 conversion), and the chain's subtractions and multiplication run on both weights at once, each
 rounded on its own (PTX does not fuse ``.rn`` operations, so the chain is the reference's). A
 thread then never unpacks weights it does not hold, whatever layout Triton picks for the dot.
-The scale and zero codes are read as int32 words too (four groups each), one trip ahead.
+
+The scale and zero codes are read as int32 words too (four groups each), one trip ahead. The
+four threads of a quad hold the same weight rows in both tensor-core layouts, and all of a
+trip's groups, so each converts one group of the four (``_GROUP_BY_QUAD``) and takes the
+others from its neighbours by a shuffle: the group values a thread uses arrive as one
+register per group, scale and zero together.
 """
 
 from __future__ import annotations
@@ -30,31 +35,6 @@ from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
-_DECODE_PAIR = tl.constexpr(
-    "{ .reg .b32 t, high, bias; "
-    "mov.b32 bias, 0x43004300; "
-    "shr.u32 high, $1, 4; "
-    "prmt.b32 t, $1, high, $2; "
-    "lop3.b32 t, t, 0x000F000F, bias, 0xEA; "
-    "sub.rn.bf16x2 t, t, bias; "
-    "sub.rn.bf16x2 t, t, $3; "
-    "mul.rn.bf16x2 $0, t, $4; }"
-)
-"""$1: the word holding the pair; $2: the PRMT selector that puts its byte b at byte 0 and
-byte b of ``word >> 4`` at byte 2, so that bits 0-3 and 16-19 are the pair's low and high
-nibbles; ``lop3 0xEA`` is ``(t & 0x000F000F) | 0x43004300``; $3 and $4: the group's zero and
-scale in both bf16 halves. $0: the decoded pair, the low-k weight in the low half. One line
-with no escapes: torch.compile copies the kernel's globals into a generated module as text
-inside a string literal, where an escaped newline becomes a real one."""
-
-
-@triton.jit
-def _bf16_product(a, b, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return to_bf16(a.to(tl.float32) * b.to(tl.float32), INTERPRET)
-    else:
-        return a * b
-
 
 @triton.jit
 def _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, trip, BLOCK_K: tl.constexpr):
@@ -66,47 +46,121 @@ def _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, trip,
 
 
 @triton.jit
-def _group_values(code_words, step, INTERPRET: tl.constexpr):
+def _interpreted_group_values(code_words, byte, step):
+    """The interpreter's ``bf16(bf16(code) * bf16(step))`` of byte ``byte`` of each word, as
+    bf16 bits in an int32 (the product of an 8-bit integer and a bf16 is exact in fp32)."""
+    codes = ((code_words >> (8 * byte)) & 0xFF).to(tl.float32)
+    value = to_bf16(codes * to_bf16(step.to(tl.float32), True).to(tl.float32)[:, None], True)
+    return value.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+_GROUP_BY_QUAD = tl.constexpr(
+    "{ .reg .b32 codes, code, own, steps; .reg .b16 scale, zero; .reg .f32 scale_step, zero_step; "
+    "prmt.b32 codes, $1, $2, $6; "
+    "bfe.u32 code, codes, 0, 8; "
+    "cvt.rn.bf16.u32 scale, code; "
+    "bfe.u32 code, codes, 8, 8; "
+    "cvt.rn.bf16.u32 zero, code; "
+    "mov.b32 own, {scale, zero}; "
+    "cvt.f32.f16 scale_step, $3; "
+    "cvt.f32.f16 zero_step, $4; "
+    "cvt.rn.bf16x2.f32 steps, zero_step, scale_step; "
+    "mul.rn.bf16x2 own, own, steps; "
+    "shfl.sync.idx.b32 $0, own, $5, 0x1c1f, 0xFFFFFFFF; }"
+)
+"""$1, $2: the words of four scale codes and of four zero codes that hold this element's
+group; $3, $4: the row's fp16 scale and zero steps; $5: the group's byte in its words (0-3);
+$6: this lane's ``prmt`` selector (``_quad_lane_selectors``). Lane ``l`` of a quad brings
+byte ``l % 4`` of both words together, converts them and multiplies them by the steps: each
+lane makes one group's values. Every lane then takes its element's group from the quad lane
+that made it (``shfl`` in segments of four lanes, ``c = 0x1c1f``). This relies on the four
+lanes of a quad holding the same weight rows in the same register, which both tensor-core
+layouts give (rows by ``lane // 4``); the GPU tests compare every tile's decoded weights
+with the reference bit for bit, at every bucket. $0: the group's scale (low half) and zero
+(high half), each ``bf16(bf16(code) * bf16(step))``."""
+
+
+@triton.jit
+def _quad_lane_selectors(like, INTERPRET: tl.constexpr):
+    """int32 shaped like ``like``: ``_GROUP_BY_QUAD``'s ``prmt`` selector,
+    ``0x40 + 0x11 * (lane % 4)``, in every element a thread holds. Made once, before the main
+    loop: read inside it, the lane id came back every trip (``S2R``, a long-latency read at
+    the head of the group values' chain). The interpreter has no lanes (zeros, unused)."""
+    if INTERPRET:
+        return tl.zeros(like.shape, tl.int32)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lane; mov.u32 lane, %laneid; and.b32 lane, lane, 3; mad.lo.u32 $0, lane, 0x11, 0x40; }",
+            "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET: tl.constexpr):
     """Words of four groups' uint8 codes each, low byte first [R, G // 4], and their
-    super-block's fp16 step [R] -> the groups' ``bf16(bf16(code) * bf16(step))`` [R, G]."""
-    GROUPS: tl.constexpr = 4 * code_words.shape[1]
+    super-block's fp16 steps [R] -> int32 [R, G]: each group's
+    ``scale = bf16(bf16(code) * bf16(step))`` in the low half and its zero likewise in the
+    high half. ``selectors``: ``_quad_lane_selectors`` of a tensor of this result's shape."""
+    GROUPS: tl.constexpr = 4 * scale_codes.shape[1]
     byte = tl.arange(0, GROUPS)[None, :] % 4
-    codes = (repeat_columns(code_words, 4) >> (8 * byte)) & 0xFF
-    return _bf16_product(codes.to(tl.float32).to(tl.bfloat16),
-                         to_bf16(step.to(tl.float32), INTERPRET)[:, None], INTERPRET)
+    scale_words = repeat_columns(scale_codes, 4)
+    zero_words = repeat_columns(zero_codes, 4)
+    if INTERPRET:
+        return (_interpreted_group_values(scale_words, byte, scale_step)
+                | (_interpreted_group_values(zero_words, byte, zero_step) << 16))
+    else:
+        shape: tl.constexpr = scale_words.shape
+        return tl.inline_asm_elementwise(
+            _GROUP_BY_QUAD, "=r,r,r,h,h,r,r",
+            [scale_words, zero_words, tl.broadcast_to(scale_step[:, None], shape),
+             tl.broadcast_to(zero_step[:, None], shape), tl.broadcast_to(byte, shape), selectors],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )
+
+
+_DECODE_PAIR = tl.constexpr(
+    "{ .reg .b32 t, high, bias, zero, scale; .reg .b16 scale_half, zero_half; "
+    "mov.b32 bias, 0x43004300; "
+    "mov.b32 {scale_half, zero_half}, $3; "
+    "mov.b32 zero, {zero_half, zero_half}; "
+    "mov.b32 scale, {scale_half, scale_half}; "
+    "shr.u32 high, $1, 4; "
+    "prmt.b32 t, $1, high, $2; "
+    "lop3.b32 t, t, 0x000F000F, bias, 0xEA; "
+    "sub.rn.bf16x2 t, t, bias; "
+    "sub.rn.bf16x2 t, t, zero; "
+    "mul.rn.bf16x2 $0, t, scale; }"
+)
+"""$1: the word holding the pair; $2: the PRMT selector that puts its byte b at byte 0 and
+byte b of ``word >> 4`` at byte 2, so that bits 0-3 and 16-19 are the pair's low and high
+nibbles; ``lop3 0xEA`` is ``(t & 0x000F000F) | 0x43004300``; $3: the group's scale (low half)
+and zero (high half). $0: the decoded pair, the low-k weight in the low half. One line
+with no escapes: torch.compile copies the kernel's globals into a generated module as text
+inside a string literal, where an escaped newline becomes a real one."""
 
 
 @triton.jit
-def _in_both_halves(values):
-    """bf16 values -> int32 holding each value in both halves (a bf16x2 operand). One PTX
-    ``mov`` (a single ``PRMT``), where the same in Triton's integer ops (extend, mask, shift,
-    or) came out as three instructions a value."""
-    return tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [values],
-                                     dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _decode(words, zero, scale, INTERPRET: tl.constexpr):
-    """Words [R, W] of 8 codes and their groups' bf16 zero and scale [R, W // 4] -> the
-    weights, bf16 [R, 8 * W] in k order. Pair p is byte p % 4 of word p // 4. The interpreter
-    has no inline asm: there the nibbles are shifted out one by one and the chain runs in fp32,
-    rounded to bf16 after each step (every fp32 intermediate is exact: the same values)."""
+def _decode(words, groups, INTERPRET: tl.constexpr):
+    """Words [R, W] of 8 codes and their groups' scale and zero (``_group_values``)
+    [R, W // 4] -> the weights, bf16 [R, 8 * W] in k order. Pair p is byte p % 4 of word
+    p // 4. The interpreter has no inline asm: there the nibbles are shifted out one by one
+    and the chain runs in fp32, rounded to bf16 after each step (every fp32 intermediate is
+    exact: the same values)."""
     R: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
     word = repeat_columns(words, 4)
     byte = tl.arange(0, 4 * W)[None, :] % 4
-    zero = repeat_columns(zero, 16)
-    scale = repeat_columns(scale, 16)
+    groups = repeat_columns(groups, 16)
     if INTERPRET:
+        scale = (groups << 16).to(tl.float32, bitcast=True)
+        zero = (groups & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
         low = ((word >> (8 * byte)) & 0xF).to(tl.float32)
         high = ((word >> (8 * byte + 4)) & 0xF).to(tl.float32)
-        pair = tl.join(low, high) - zero.to(tl.float32)[:, :, None]
-        pair = to_bf16(to_bf16(pair, INTERPRET).to(tl.float32) * scale.to(tl.float32)[:, :, None], INTERPRET)
+        pair = tl.join(low, high) - zero[:, :, None]
+        pair = to_bf16(to_bf16(pair, INTERPRET).to(tl.float32) * scale[:, :, None], INTERPRET)
     else:
         select = tl.broadcast_to(byte | ((byte + 4) << 8), [R, 4 * W])
         bits = tl.inline_asm_elementwise(
-            _DECODE_PAIR, "=r,r,r,r,r", [word, select, _in_both_halves(zero), _in_both_halves(scale)],
-            dtype=tl.int32, is_pure=True, pack=1,
+            _DECODE_PAIR, "=r,r,r,r", [word, select, groups], dtype=tl.int32, is_pure=True, pack=1,
         )
         pair = tl.join(bits.to(tl.int16).to(tl.bfloat16, bitcast=True),
                        (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
@@ -161,6 +215,7 @@ def _w4a16_kernel(
     # four-byte copies a trip (offline sm_90). So they are loaded by hand one trip ahead, a
     # loop-carried value the pipeliner leaves alone, straight into the decode's registers.
     meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, first_trip, BLOCK_K)
+    selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
     last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
         k0 = trip * BLOCK_K
@@ -168,9 +223,7 @@ def _w4a16_kernel(
         scale_codes, scale_step, zero_codes, zero_step = meta
         meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn,
                           tl.minimum(trip + 1, last_trip), BLOCK_K)
-        scale = _group_values(scale_codes, scale_step, INTERPRET)
-        zero = _group_values(zero_codes, zero_step, INTERPRET)
-        w = _decode(words, zero, scale, INTERPRET)
+        w = _decode(words, _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET), INTERPRET)
         a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
         acc += bf16_dot(w, tl.trans(a), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)

@@ -65,6 +65,9 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     assert any(text.startswith("LDG.E ") for text in loop)  # the next trip's code words
     assert not any(text.startswith("STS") for text in loop)
     assert not any(text.startswith(("LDG.E.U8", "LDG.E.S8")) for text in loop)
+    # Splitting a group's value into both halves of the decode's bf16x2 operands costs no
+    # instruction of its own (built from integer ops, it took a mask and a multiply by 0x10001).
+    assert not any("0x10001" in text for text in loop)
     conversions = sum(text.startswith("I2F") for text in loop)
     shuffles = sum(text.startswith("SHFL.IDX") for text in loop)
     # 64 rows over 4 warps of 8 quads: 2 rows a thread, 4 groups a trip of 128.

@@ -56,9 +56,8 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     registers of the decode's layout: the main loop stores nothing to shared memory (a layout
     conversion would, and wait on a barrier every trip) and loads no single bytes. Each lane
     of a quad converts one group's scale and zero codes and the quad shares them by shuffles:
-    two conversions a shuffle (a scale and a zero per group, each shuffle one group of one
-    row), where each lane converting every group of its rows took eight, and the lane id is
-    read once, before the loop."""
+    4 conversions and 8 shuffles a thread and trip here, where each lane converting every
+    group of its rows took 16 conversions, and the lane id is read once, before the loop."""
     result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 2,
                                "INTERPRET": False}, 4)
     loop = result["main_loop"]

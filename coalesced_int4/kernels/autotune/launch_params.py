@@ -209,7 +209,7 @@ def time_calls_us(calls) -> float:
     return time_back_to_back_us(calls, min_calls=ROTATION_CALLS, samples=1)
 
 
-def _copies_beyond_l2(args, kwargs, device: torch.device) -> list:
+def _argument_sets_beyond_l2(args, kwargs, device: torch.device) -> list:
     """``(args, kwargs)`` and enough random copies of their tensors that together they exceed
     twice the L2, so that a rotation over them reads every call's data from HBM (one set
     where there is no L2 to defeat)."""
@@ -254,7 +254,7 @@ def _measure(fn, name, params, candidates, args, kwargs, stats):
                 real_kwargs = {k: _stand_in(v) for k, v in kwargs.items()}
                 device = next(a for a in real_args if isinstance(a, torch.Tensor)).device
                 with _timing_stream(device):
-                    copies = _copies_beyond_l2(real_args, real_kwargs, device)
+                    copies = _argument_sets_beyond_l2(real_args, real_kwargs, device)
                     legal, rejected = [], {}
                     with compile_every_candidate_at_once() as queued:
                         for candidate in candidates:

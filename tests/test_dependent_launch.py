@@ -12,6 +12,14 @@ OFF = {"DEPENDENT_LAUNCH": False}
 ON = {"DEPENDENT_LAUNCH": True, "launch_pdl": True}
 
 
+@pytest.fixture(autouse=True)
+def fresh_capability_answers():
+    """Each test's stand-in capability is asked afresh (the answer is cached per device)."""
+    dependent_launch.has_griddepcontrol.cache_clear()
+    yield
+    dependent_launch.has_griddepcontrol.cache_clear()
+
+
 @pytest.fixture
 def compiled_kernels(monkeypatch):
     """As on a GPU machine: kernels compiled, not interpreted."""
@@ -43,3 +51,11 @@ def test_the_interpreter_runs_ordinary_launches(monkeypatch):
     monkeypatch.setattr(family, "INTERPRETER", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     assert _eager_options(torch.device("cuda", 0)) == OFF
+
+
+def test_the_capability_is_asked_once_per_device(compiled_kernels):
+    asked = []
+    compiled_kernels.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or (9, 0))
+    for _ in range(3):
+        assert _eager_options(torch.device("cuda", 0)) == ON
+    assert asked == [torch.device("cuda", 0)]

@@ -22,6 +22,8 @@ the kernels without it, and there the two calls compile to nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,12 +35,18 @@ MIN_CAPABILITY = (9, 0)
 """``griddepcontrol`` is PTX for sm_90 and newer."""
 
 
+@functools.lru_cache(maxsize=None)
+def has_griddepcontrol(device: torch.device) -> bool:
+    """Whether ``device`` runs ``griddepcontrol``, asked of the driver once per device: a GEMM
+    call launches up to three kernels, and each launch reads this."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
 def options(device: torch.device) -> dict:
     """The kernel arguments of a launch on ``device``: ``DEPENDENT_LAUNCH`` for the kernel,
     and ``launch_pdl`` for Triton's launcher where it is on. Called inside the family's
     launch, where wrap_triton is enabled only while tracing (``int4_gemm.launch``)."""
-    enabled = (not family.INTERPRETER and not is_wrap_triton_enabled() and device.type == "cuda"
-               and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY)
+    enabled = not family.INTERPRETER and not is_wrap_triton_enabled() and has_griddepcontrol(device)
     return {"DEPENDENT_LAUNCH": enabled, "launch_pdl": True} if enabled else {"DEPENDENT_LAUNCH": False}
 
 

@@ -50,7 +50,7 @@ def _interpreted_group_values(code_words, byte, step):
     """The interpreter's ``bf16(bf16(code) * bf16(step))`` of byte ``byte`` of each word, as
     bf16 bits in an int32 (the product of an 8-bit integer and a bf16 is exact in fp32)."""
     codes = ((code_words >> (8 * byte)) & 0xFF).to(tl.float32)
-    value = to_bf16(codes * to_bf16(step.to(tl.float32), True).to(tl.float32)[:, None], True)
+    value = to_bf16(codes * to_bf16(step.to(tl.float32), INTERPRET=True).to(tl.float32)[:, None], INTERPRET=True)
     return value.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
@@ -223,7 +223,8 @@ def _w4a16_kernel(
         scale_codes, scale_step, zero_codes, zero_step = meta
         meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn,
                           tl.minimum(trip + 1, last_trip), BLOCK_K)
-        w = _decode(words, _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET), INTERPRET)
+        groups = _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET)
+        w = _decode(words, groups, INTERPRET)
         a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
         acc += bf16_dot(w, tl.trans(a), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)

@@ -108,11 +108,9 @@ def _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INT
         return (_interpreted_group_values(scale_words, byte, scale_step)
                 | (_interpreted_group_values(zero_words, byte, zero_step) << 16))
     else:
-        shape: tl.constexpr = scale_words.shape
         return tl.inline_asm_elementwise(
             _GROUP_BY_QUAD, "=r,r,r,h,h,r,r",
-            [scale_words, zero_words, tl.broadcast_to(scale_step[:, None], shape),
-             tl.broadcast_to(zero_step[:, None], shape), tl.broadcast_to(byte, shape), selectors],
+            [scale_words, zero_words, scale_step[:, None], zero_step[:, None], byte, selectors],
             dtype=tl.int32, is_pure=True, pack=1,
         )
 
@@ -158,9 +156,8 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
         pair = tl.join(low, high) - zero[:, :, None]
         pair = to_bf16(to_bf16(pair, INTERPRET).to(tl.float32) * scale[:, :, None], INTERPRET)
     else:
-        select = tl.broadcast_to(byte | ((byte + 4) << 8), [R, 4 * W])
         bits = tl.inline_asm_elementwise(
-            _DECODE_PAIR, "=r,r,r,r", [word, select, groups], dtype=tl.int32, is_pure=True, pack=1,
+            _DECODE_PAIR, "=r,r,r,r", [word, byte | ((byte + 4) << 8), groups], dtype=tl.int32, is_pure=True, pack=1,
         )
         pair = tl.join(bits.to(tl.int16).to(tl.bfloat16, bitcast=True),
                        (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))

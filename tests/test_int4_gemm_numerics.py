@@ -144,27 +144,55 @@ def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
             assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
 
 
-@pytest.mark.parametrize("bucket", [pytest.param(8, marks=requires_cuda), 16,
-                                    pytest.param(32, marks=requires_cuda), 64])
-def test_w4a16_decodes_the_reference_bf16_weights_bit_for_bit(bucket):
+def _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, configs):
     """One-hot activation rows pick single weights: an output is one weight times 1 plus exact
-    zeros, so it must be the reference dequantization's bf16 weight, bit for bit. This pins the
-    rounding chain (no fused multiply-add) and which byte and nibble each weight is read from,
-    at every column of a super-block, for each tile shape of the space, and on the GPU that
-    each weight got its own group's scale and zero from the quad shuffle. Buckets 8 and 32 run
-    on the GPU only: the shuffle is GPU code, and the interpreter would take minutes."""
-    n, k = 40, 512
-    packed, _ = packed_weight(n, k, seed=bucket, device=DEVICE)
+    zeros, so it must be the reference dequantization's bf16 weight, bit for bit, at every
+    column of both super-blocks of K = 512."""
     dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16).to(DEVICE)
+    k = dense.shape[1]
     rows = torch.arange(bucket, device=DEVICE)
-    tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]): c for c in int4_autotune_configs(bucket)}
-    for config in tiles.values():
+    for config in configs:
         for start in range(0, 256, bucket):
             x = torch.zeros(bucket, k, dtype=torch.bfloat16, device=DEVICE)
             x[rows, start + 256 * (rows % 2) + rows] = 1  # both super-blocks
             for split in (1, 2):
                 out = launch(bucket, x, *packed, 32, split_k=split, config=config)
                 assert torch.equal(out, dense[:, start + 256 * (rows % 2) + rows].t()), (config, start, split)
+
+
+@pytest.mark.parametrize("bucket", [pytest.param(8, marks=requires_cuda), 16,
+                                    pytest.param(32, marks=requires_cuda), 64])
+def test_w4a16_decodes_the_reference_bf16_weights_bit_for_bit(bucket):
+    """The decoded weights are the reference's, bit for bit: this pins the rounding chain (each
+    step rounded on its own), which byte and nibble each weight is read from, for each tile
+    shape of the space, and on the GPU that each weight got its own group's scale and zero
+    from the quad shuffle. Buckets 8 and 32 run on the GPU only: the shuffle is GPU code, and
+    the interpreter would take minutes."""
+    packed, _ = packed_weight(40, 512, seed=bucket, device=DEVICE)
+    tiles = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]): c for c in int4_autotune_configs(bucket)}
+    _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, tiles.values())
+
+
+@requires_cuda
+@pytest.mark.parametrize("bucket", [8, 64])
+def test_w4a16_decode_is_exact_at_the_extremes_of_codes_and_steps(bucket):
+    """The GPU decode scales nibbles from bf16 subnormals and folds powers of two into the
+    group values (``_DECODE_PAIR``), which is exact only while every intermediate stays in
+    bf16's range: checked bit for bit with the smallest and largest fp16 steps (subnormal
+    2**-24 and 65504), steps of either sign, and scale and zero codes 0, 1 and 255."""
+    packed, _ = packed_weight(40, 512, seed=7, device=DEVICE)
+    qdata, scale, scale_step, zero_point, zero_point_step = packed
+    generator = torch.Generator().manual_seed(7)
+    extremes = torch.tensor([2.0**-24, -(2.0**-24), 6.1e-5, 1.0, -3.0, 65504.0, -65504.0], dtype=torch.float16)
+    codes = torch.tensor([0, 1, 255, 128], dtype=torch.uint8)
+
+    def pick(values, like):
+        return values[torch.randint(len(values), like.shape, generator=generator)].to(DEVICE)
+
+    packed = (qdata, pick(codes, scale), pick(extremes, scale_step),
+              pick(codes, zero_point), pick(extremes, zero_point_step))
+    config = int4_autotune_configs(bucket)[0]
+    _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, [config])
 
 
 def test_w4a16_sampled_configs_match():

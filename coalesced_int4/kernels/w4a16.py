@@ -11,11 +11,13 @@ exactly once.
 
 The decode works on pairs of weights, the unit in which the tensor-core layouts hold the left
 operand (two consecutive k in one 32-bit register). On the GPU one block of inline PTX
-(``_DECODE_PAIR``) turns a pair's byte into that register: the byte's two nibbles are moved to
-the two bf16 halves and OR-ed into ``0x4300``, the bf16 bits of ``128 + q`` (no int-to-float
-conversion), and the chain's subtractions and multiplication run on both weights at once, each
-rounded on its own (PTX does not fuse ``.rn`` operations, so the chain is the reference's). A
-thread then never unpacks weights it does not hold, whatever layout Triton picks for the dot.
+(``_DECODE_PAIR``, four instructions) turns a pair's byte into that register: the byte's two
+nibbles are moved to the two bf16 halves, where as bit patterns they are subnormal multiples
+of ``q`` (no int-to-float conversion), and the chain's subtraction and multiplication run on
+both weights at once, each rounded on its own. The group values carry powers of two (``FOLD``)
+that make the subtraction one fused multiply-add with the nibbles' scaling and leave every
+rounding as the reference's. A thread then never unpacks weights it does not hold, whatever
+layout Triton picks for the dot.
 
 The scale and zero codes are read as int32 words too (four groups each), one trip ahead. The
 four threads of a quad hold the same weight rows in both tensor-core layouts, and all of a
@@ -26,6 +28,8 @@ register per group, scale and zero together.
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -34,6 +38,28 @@ from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
+
+
+FOLD = tl.constexpr(64.0)
+"""The power of two folded into the group values: the GPU decode works on ``q / FOLD``
+(``_DECODE_PAIR``), so each group carries ``FOLD * scale`` and ``-zero / FOLD``. Rounding to
+bf16 commutes with a power of two while values stay in bf16's normal range, which fp16 steps
+(>= 2**-24) and uint8 codes keep them in. 64 is the smallest such fold for which one bf16
+multiplier, 2**133 / FOLD, brings a nibble's subnormal bit pattern to ``q / FOLD``."""
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _ptx_f32(value: float) -> str:
+    """``value`` as a PTX fp32 immediate (exact bits)."""
+    return "0f%08X" % _f32_bits(value)
+
+
+def _ptx_bf16x2(low: float, high: float) -> str:
+    """Two bf16-exact values as the bits of one bf16x2 register, ``low`` in the low half."""
+    return "%#010x" % (_f32_bits(high) & 0xFFFF0000 | _f32_bits(low) >> 16)
 
 
 @triton.jit
@@ -46,11 +72,13 @@ def _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, trip,
 
 
 @triton.jit
-def _interpreted_group_values(code_words, byte, step):
-    """The interpreter's ``bf16(bf16(code) * bf16(step))`` of byte ``byte`` of each word, as
-    bf16 bits in an int32 (the product of an 8-bit integer and a bf16 is exact in fp32)."""
+def _interpreted_group_values(code_words, byte, step, factor: tl.constexpr):
+    """The interpreter's ``bf16(bf16(code) * bf16(factor * step))`` of byte ``byte`` of each
+    word, as bf16 bits in an int32 (the product of an 8-bit integer and a bf16 is exact in
+    fp32)."""
     codes = ((code_words >> (8 * byte)) & 0xFF).to(tl.float32)
-    value = to_bf16(codes * to_bf16(step.to(tl.float32), INTERPRET=True).to(tl.float32)[:, None], INTERPRET=True)
+    step = to_bf16(step.to(tl.float32) * factor, INTERPRET=True).to(tl.float32)
+    value = to_bf16(codes * step[:, None], INTERPRET=True)
     return value.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
@@ -64,6 +92,8 @@ _GROUP_BY_QUAD = tl.constexpr(
     "mov.b32 own, {scale, zero}; "
     "cvt.f32.f16 scale_step, $3; "
     "cvt.f32.f16 zero_step, $4; "
+    f"mul.rn.f32 scale_step, scale_step, {_ptx_f32(FOLD.value)}; "
+    f"mul.rn.f32 zero_step, zero_step, {_ptx_f32(-1 / FOLD.value)}; "
     "cvt.rn.bf16x2.f32 steps, zero_step, scale_step; "
     "mul.rn.bf16x2 own, own, steps; "
     "shfl.sync.idx.b32 $0, own, $5, 0x1c1f, 0xFFFFFFFF; }"
@@ -76,8 +106,8 @@ lane makes one group's values. Every lane then takes its element's group from th
 that made it (``shfl`` in segments of four lanes, ``c = 0x1c1f``). This relies on the four
 lanes of a quad holding the same weight rows in the same register, which both tensor-core
 layouts give (rows by ``lane // 4``); the GPU tests compare every tile's decoded weights
-with the reference bit for bit, at every bucket. $0: the group's scale (low half) and zero
-(high half), each ``bf16(bf16(code) * bf16(step))``."""
+with the reference bit for bit, at every bucket. $0: the group's ``FOLD * scale`` (low half)
+and ``-zero / FOLD`` (high half), each ``bf16(bf16(code) * bf16(factor * step))``."""
 
 
 @triton.jit
@@ -97,16 +127,16 @@ def _quad_lane_selectors(like, INTERPRET: tl.constexpr):
 @triton.jit
 def _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET: tl.constexpr):
     """Words of four groups' uint8 codes each, low byte first [R, G // 4], and their
-    super-block's fp16 steps [R] -> int32 [R, G]: each group's
-    ``scale = bf16(bf16(code) * bf16(step))`` in the low half and its zero likewise in the
-    high half. ``selectors``: ``_quad_lane_selectors`` of a tensor of this result's shape."""
+    super-block's fp16 steps [R] -> int32 [R, G]: each group's ``FOLD * scale`` (the scale
+    ``bf16(bf16(code) * bf16(step))``) in the low half and its ``-zero / FOLD`` in the high
+    half. ``selectors``: ``_quad_lane_selectors`` of a tensor of this result's shape."""
     GROUPS: tl.constexpr = 4 * scale_codes.shape[1]
     byte = tl.arange(0, GROUPS)[None, :] % 4
     scale_words = repeat_columns(scale_codes, 4)
     zero_words = repeat_columns(zero_codes, 4)
     if INTERPRET:
-        return (_interpreted_group_values(scale_words, byte, scale_step)
-                | (_interpreted_group_values(zero_words, byte, zero_step) << 16))
+        return (_interpreted_group_values(scale_words, byte, scale_step, FOLD)
+                | (_interpreted_group_values(zero_words, byte, zero_step, -1 / FOLD) << 16))
     else:
         return tl.inline_asm_elementwise(
             _GROUP_BY_QUAD, "=r,r,r,h,h,r,r",
@@ -116,32 +146,35 @@ def _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INT
 
 
 _DECODE_PAIR = tl.constexpr(
-    "{ .reg .b32 t, high, bias, zero, scale; .reg .b16 scale_half, zero_half; "
-    "mov.b32 bias, 0x43004300; "
+    "{ .reg .b32 t, unit, zero, scale; .reg .b16 scale_half, zero_half; "
+    f"mov.b32 unit, {_ptx_bf16x2(2.0**133 / FOLD.value, 2.0**129 / FOLD.value)}; "
     "mov.b32 {scale_half, zero_half}, $3; "
     "mov.b32 zero, {zero_half, zero_half}; "
     "mov.b32 scale, {scale_half, scale_half}; "
-    "shr.u32 high, $1, 4; "
-    "prmt.b32 t, $1, high, $2; "
-    "lop3.b32 t, t, 0x000F000F, bias, 0xEA; "
-    "sub.rn.bf16x2 t, t, bias; "
-    "sub.rn.bf16x2 t, t, zero; "
+    "prmt.b32 t, $1, $1, $2; "
+    "and.b32 t, t, 0x00F0000F; "
+    "fma.rn.bf16x2 t, t, unit, zero; "
     "mul.rn.bf16x2 $0, t, scale; }"
 )
-"""$1: the word holding the pair; $2: the PRMT selector that puts its byte b at byte 0 and
-byte b of ``word >> 4`` at byte 2, so that bits 0-3 and 16-19 are the pair's low and high
-nibbles; ``lop3 0xEA`` is ``(t & 0x000F000F) | 0x43004300``; $3: the group's scale (low half)
-and zero (high half). $0: the decoded pair, the low-k weight in the low half. One line
-with no escapes: torch.compile copies the kernel's globals into a generated module as text
-inside a string literal, where an escaped newline becomes a real one."""
+"""$1: the word holding the pair; $2: the PRMT selector that copies its byte b to bytes 0
+and 2, so that after the mask the low nibble q0 is bits 0-3 of the low half and the high
+nibble q1 bits 4-7 of the high half. Bit patterns below 0x100 are bf16 values ``p * 2**-133``
+(subnormals, and then the first normal binade, are evenly spaced), so the halves hold
+``q0 * 2**-133`` and ``q1 * 2**-129``, and ``unit`` (2**133 / FOLD low, 2**129 / FOLD high)
+brings both to ``q / FOLD`` exactly. $3: the group's ``FOLD * scale`` (low half) and ``-zero / FOLD`` (high
+half). The ``fma`` rounds ``(q - zero) / FOLD`` once, which is ``bf16(q - zero) / FOLD``,
+and the product with ``FOLD * scale`` is the chain's ``bf16(bf16(q - zero) * scale)``.
+$0: the decoded pair, the low-k weight in the low half. One line with no escapes:
+torch.compile copies the kernel's globals into a generated module as text inside a string
+literal, where an escaped newline becomes a real one."""
 
 
 @triton.jit
 def _decode(words, groups, INTERPRET: tl.constexpr):
-    """Words [R, W] of 8 codes and their groups' scale and zero (``_group_values``)
+    """Words [R, W] of 8 codes and their groups' values (``_group_values``)
     [R, W // 4] -> the weights, bf16 [R, 8 * W] in k order. Pair p is byte p % 4 of word
     p // 4. The interpreter has no inline asm: there the nibbles are shifted out one by one
-    and the chain runs in fp32, rounded to bf16 after each step (every fp32 intermediate is
+    and the same steps run in fp32, rounded to bf16 after each (every fp32 intermediate is
     exact: the same values)."""
     R: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
@@ -150,14 +183,14 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
     groups = repeat_columns(groups, 16)
     if INTERPRET:
         scale = (groups << 16).to(tl.float32, bitcast=True)
-        zero = (groups & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
+        negative_zero = (groups & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
         low = ((word >> (8 * byte)) & 0xF).to(tl.float32)
         high = ((word >> (8 * byte + 4)) & 0xF).to(tl.float32)
-        pair = tl.join(low, high) - zero[:, :, None]
+        pair = tl.join(low, high) * (1 / FOLD) + negative_zero[:, :, None]
         pair = to_bf16(to_bf16(pair, INTERPRET).to(tl.float32) * scale[:, :, None], INTERPRET)
     else:
         bits = tl.inline_asm_elementwise(
-            _DECODE_PAIR, "=r,r,r,r", [word, byte | ((byte + 4) << 8), groups], dtype=tl.int32, is_pure=True, pack=1,
+            _DECODE_PAIR, "=r,r,r,r", [word, byte * 0x101, groups], dtype=tl.int32, is_pure=True, pack=1,
         )
         pair = tl.join(bits.to(tl.int16).to(tl.bfloat16, bitcast=True),
                        (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))

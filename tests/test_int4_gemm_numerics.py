@@ -179,7 +179,7 @@ def test_w4a16_decode_is_exact_at_the_extremes_of_codes_and_steps(bucket):
     """The GPU decode scales nibbles from bf16 subnormals and folds powers of two into the
     group values (``_DECODE_PAIR``), which is exact only while every intermediate stays in
     bf16's range: checked bit for bit with the smallest and largest fp16 steps (subnormal
-    2**-24 and 65504), steps of either sign, and scale and zero codes 0, 1 and 255."""
+    2**-24 and 65504), steps of either sign, and scale and zero codes 0, 1, 128 and 255."""
     packed, _ = packed_weight(40, 512, seed=7, device=DEVICE)
     qdata, scale, scale_step, zero_point, zero_point_step = packed
     generator = torch.Generator().manual_seed(7)

@@ -49,6 +49,7 @@ multiplier, 2**133 / FOLD, brings a nibble's subnormal bit pattern to ``q / FOLD
 
 
 def _f32_bits(value: float) -> int:
+    """The bits of ``value`` rounded to fp32."""
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
@@ -161,9 +162,10 @@ and 2, so that after the mask the low nibble q0 is bits 0-3 of the low half and 
 nibble q1 bits 4-7 of the high half. Bit patterns below 0x100 are bf16 values ``p * 2**-133``
 (subnormals, and then the first normal binade, are evenly spaced), so the halves hold
 ``q0 * 2**-133`` and ``q1 * 2**-129``, and ``unit`` (2**133 / FOLD low, 2**129 / FOLD high)
-brings both to ``q / FOLD`` exactly. $3: the group's ``FOLD * scale`` (low half) and ``-zero / FOLD`` (high
-half). The ``fma`` rounds ``(q - zero) / FOLD`` once, which is ``bf16(q - zero) / FOLD``,
-and the product with ``FOLD * scale`` is the chain's ``bf16(bf16(q - zero) * scale)``.
+brings both to ``q / FOLD`` exactly. $3: the group's ``FOLD * scale`` (low half) and
+``-zero / FOLD`` (high half). The ``fma`` rounds ``(q - zero) / FOLD`` once, which is
+``bf16(q - zero) / FOLD``, and the product with ``FOLD * scale`` is the chain's
+``bf16(bf16(q - zero) * scale)``.
 $0: the decoded pair, the low-k weight in the low half. One line with no escapes:
 torch.compile copies the kernel's globals into a generated module as text inside a string
 literal, where an escaped newline becomes a real one."""

@@ -33,7 +33,7 @@ POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*u8", "ss_ptr": "*fp16
             "zs_ptr": "*fp16", "out_ptr": "*bf16"}  # both families read qdata as int32 words
 CODE_WORDS = {"sc_ptr": "*i32", "zc_ptr": "*i32"}
 """W4A16 reads the scale and zero codes as int32 words too."""
-DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_om")
+DIVISIBLE_BY_16 = ("N", "K", "stride_xm", "stride_qn", "stride_cn", "stride_sn", "stride_os", "stride_om")
 """Integer arguments that are multiples of 16 at every launch on model shapes."""
 # sm_90 per-SM limits: registers, shared memory (bytes), threads, and the shared memory the
 # driver reserves per program.

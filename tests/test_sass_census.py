@@ -74,6 +74,24 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     assert not any(text.startswith("S2R") for text in loop)
 
 
+@pytest.mark.parametrize("bucket", [16, 32, 64])
+def test_w4a16_dot_is_left_whole_up_to_the_waited_bucket(bucket):
+    """Up to ``WAITED_DOT_MAX_BUCKET`` a trip's eight ``HGMMA``s are issued behind one fence
+    and waited for at the end of the trip; above it Triton pipelines the dot across trips in
+    16-wide pieces of K, each behind its own fence."""
+    from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_BUCKET
+
+    loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 3,
+                             "INTERPRET": False}, 4)["main_loop"]
+    fences = sum(text.startswith("WARPGROUP.ARRIVE") for text in loop)
+    full_waits = sum(text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for text in loop)
+    assert sum(text.startswith("HGMMA") for text in loop) == 128 // 16
+    if bucket <= WAITED_DOT_MAX_BUCKET:
+        assert (fences, full_waits) == (1, 1)
+    else:
+        assert (fences, full_waits) == (128 // 16, 0)
+
+
 # Each kernel launched with programmatic dependent launch, compiled as ``dependent_launch``
 # says: the PTX (in program order, the wait first in the entry block) of each.
 DEPENDENT_LAUNCH_PTX = textwrap.dedent("""

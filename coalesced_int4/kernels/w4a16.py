@@ -199,6 +199,28 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
     return tl.reshape(pair, [R, 8 * W])
 
 
+WAITED_DOT_MAX_BUCKET = tl.constexpr(32)
+"""The largest bucket whose dot completes within its trip. Triton pipelines a dot whose left
+operand is in registers across trips by splitting it into 16-wide pieces of K, each with its
+own fence, wait and shared-memory descriptor: 35 instructions of a 128-weight trip at
+bucket 16 and 32 (offline sm_90). Waiting for the whole dot at the end of its trip costs the
+tensor cores' time for it instead, which grows with the bucket: on the H200 that was 2-7 %
+faster at M = 16 and 32 on the larger shapes and level or slower at M = 64
+(docs/benchmarks.md, session 18)."""
+
+
+@triton.jit
+def _completed(acc, INTERPRET: tl.constexpr):
+    """``acc`` unchanged, through a register move that Triton's pipeliner cannot see through
+    (ptxas removes it): read at the top of a trip, it makes the previous trip's dot into
+    ``acc`` complete before the trip starts, so that the pipeliner leaves that dot whole."""
+    if INTERPRET:
+        return acc
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
 @triton.jit
 def _w4a16_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
@@ -250,6 +272,8 @@ def _w4a16_kernel(
     selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
     last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
+        if BUCKET <= WAITED_DOT_MAX_BUCKET:
+            acc = _completed(acc, INTERPRET)
         k0 = trip * BLOCK_K
         words = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 8 + words_of_trip[None, :])
         scale_codes, scale_step, zero_codes, zero_step = meta

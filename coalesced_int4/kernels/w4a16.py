@@ -202,10 +202,11 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
 WAITED_DOT_MAX_BUCKET = tl.constexpr(32)
 """The largest bucket whose dot completes within its trip. Triton pipelines a dot whose left
 operand is in registers across trips by splitting it into 16-wide pieces of K, each with its
-own fence, wait and shared-memory descriptor: 35 instructions of a 128-weight trip at
-bucket 16 and 32 (offline sm_90). Waiting for the whole dot at the end of its trip costs the
-tensor cores' time for it instead, which grows with the bucket: on the H200 that was 2-7 %
-faster at M = 16 and 32 on the larger shapes and level or slower at M = 64
+own fence, wait and shared-memory descriptor: 33 and 41 instructions of a 128-weight trip at
+buckets 16 and 32 (offline sm_90; bucket 8's ``mma.sync`` dot is never split). Waiting for
+the whole dot at the end of its trip costs the tensor cores' time for it instead, which
+grows with the bucket. On the H200 that was 1-7 % faster at M = 16 and 32 on SPEC's shapes
+but 4096x4096 at M = 32 (1.5 % slower), and from 1 % faster to 5 % slower at M = 64
 (docs/benchmarks.md, session 18)."""
 
 

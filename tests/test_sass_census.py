@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_BUCKET
 from tests.conftest import run_compiling_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,8 +80,6 @@ def test_w4a16_dot_is_left_whole_up_to_the_waited_bucket(bucket):
     """Up to ``WAITED_DOT_MAX_BUCKET`` a trip's eight ``HGMMA``s are issued behind one fence
     and waited for at the end of the trip; above it Triton pipelines the dot across trips in
     16-wide pieces of K, each behind its own fence."""
-    from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_BUCKET
-
     loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 3,
                              "INTERPRET": False}, 4)["main_loop"]
     fences = sum(text.startswith("WARPGROUP.ARRIVE") for text in loop)

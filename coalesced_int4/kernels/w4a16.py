@@ -108,7 +108,8 @@ that made it (``shfl`` in segments of four lanes, ``c = 0x1c1f``). This relies o
 lanes of a quad holding the same weight rows in the same register, which both tensor-core
 layouts give (rows by ``lane // 4``); the GPU tests compare every tile's decoded weights
 with the reference bit for bit, at every bucket. $0: the group's ``FOLD * scale`` (low half)
-and ``-zero / FOLD`` (high half), each ``bf16(bf16(code) * bf16(factor * step))``."""
+and ``-zero / FOLD`` (high half), each ``bf16(bf16(code) * bf16(factor * step))`` with factor
+``FOLD`` and ``-1 / FOLD``."""
 
 
 @triton.jit

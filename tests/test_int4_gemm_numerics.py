@@ -11,6 +11,7 @@ from coalesced_int4.kernels.rules import kernel_config
 from coalesced_int4.kernels.split_k import (
     REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds,
 )
+from coalesced_int4.kernels.w4a16 import activation_rows
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight, requires_cuda
@@ -127,6 +128,24 @@ def test_prequantized_activations_give_the_bits_of_quantizing_inside_the_gemm(bu
                 inside = launch(bucket, x, *packed, 32, split_k=split, config=config, prequantize=False)
                 first = launch(bucket, x, *packed, 32, split_k=split, config=config, prequantize=True)
                 assert torch.equal(inside, first), (m, split, config)
+
+
+@triton.jit
+def _activation_rows_probe(out_ptr, M, BUCKET: tl.constexpr):
+    offs_m = tl.arange(0, BUCKET)
+    tl.store(out_ptr + offs_m, activation_rows(offs_m, M))
+
+
+@pytest.mark.parametrize("bucket", [8, 16, 32, 64])
+def test_w4a16_rows_past_m_spread_their_reads_over_the_batch(bucket):
+    for m in range(1, bucket + 1):
+        rows = torch.full((bucket,), -1, dtype=torch.int32, device=DEVICE)
+        _activation_rows_probe[(1,)](rows, m, BUCKET=bucket)
+        rows = rows.cpu()
+        assert rows[:m].tolist() == list(range(m))
+        assert 0 <= rows.min() and rows.max() < m
+        if 2 * m > bucket:  # every M that dispatch runs on this bucket
+            assert torch.bincount(rows).max() <= 2, (m, rows.tolist())
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 32, 64])

@@ -212,6 +212,18 @@ but 4096x4096 at M = 32 (1.5 % slower), and from 1 % faster to 5 % slower at M =
 
 
 @triton.jit
+def activation_rows(offs_m, M):
+    """The activation row each accumulator row reads: itself below M. Rows >= M are never
+    stored, so they may read any row, which saves masking every activation copy; row r reads
+    row r - M (clamped to M - 1), so that each row is read at most twice wherever
+    M > BUCKET / 2, which dispatch's smallest covering bucket guarantees. Until session 19
+    they all read row M - 1, up to 31 copies of one row a trip, and a batch between buckets
+    ran up to 1.9x slower than a full one: 4096x4096 at M = 33 took 18-19 µs against 11.1
+    now, 14336x4096 at M = 40 57 against 31 (docs/benchmarks.md)."""
+    return tl.minimum(tl.where(offs_m < M, offs_m, offs_m - M), M - 1)
+
+
+@triton.jit
 def _completed(acc, INTERPRET: tl.constexpr):
     """``acc`` unchanged, through a register move that Triton's pipeliner cannot see through
     (ptxas removes it): read at the top of a trip, it makes the previous trip's dot into
@@ -259,9 +271,7 @@ def _w4a16_kernel(
     m_mask = offs_m < M
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
-    # Rows >= M of the accumulator are never stored, so they may hold any finite values: those
-    # rows read row M - 1 again instead of masking every activation load.
-    x_rows = tl.minimum(offs_m, M - 1)
+    x_rows = activation_rows(offs_m, M)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
     acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)

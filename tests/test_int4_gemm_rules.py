@@ -12,6 +12,7 @@ from coalesced_int4.kernels import (
     SPLIT_K_CANDIDATES,
     SUPPORTED_BUCKETS,
     TILE_SPLIT_K_CANDIDATES,
+    W4A8_BUCKETS,
     InvalidLaunchParam,
     check_split_k,
     int4_autotune_configs,
@@ -25,6 +26,7 @@ from coalesced_int4.kernels.rules import (
     W4A16_STAGES,
     W4A16_TILES,
 )
+from tests.conftest import run_compiling_python
 
 
 def _args(m=1, k=512, n=64):
@@ -152,6 +154,7 @@ def test_a_family_sorts_buckets_resolves_postponed_annotations_and_validates_fir
         launch=lambda b, x, w, s: launched.append(b) or x.new_empty(x.shape[0], w.shape[0]),
         fake=lambda b, x, w, s: x.new_empty(x.shape[0], w.shape[0]),
         unsupported_reason=lambda b, x, w, s: None if x.shape[0] <= b else f"{x.shape[0]} rows exceed the bucket",
+        kernels=lambda b: (),
     )
     assert family.buckets == (1, 2, 4)
     assert "Tensor x, Tensor weight, float scale" in str(family.op(1).default._schema)
@@ -161,7 +164,7 @@ def test_a_family_sorts_buckets_resolves_postponed_annotations_and_validates_fir
     assert family.op(2)(torch.zeros(2, 3), torch.zeros(4, 3), 1.0).shape == (2, 4) and launched == [2]
     for bad in ((), (0, 1), (1, 1)):
         with pytest.raises(ValueError, match="buckets must be distinct positive row counts"):
-            QuantizedGemmFamily("bad", bad, _toy, None, None, None)
+            QuantizedGemmFamily("bad", bad, _toy, None, None, None, None)
 
 
 @pytest.mark.parametrize("k", [256, 768, 4096, 6656])
@@ -214,3 +217,28 @@ def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_sta
 def test_prune_keeps_the_shallowest_config_when_none_fits():
     configs = [triton.Config({"STAGES": 3}), triton.Config({"STAGES": 2})]
     assert prune_int4_configs(configs, {"K": 256}) == [configs[1]]
+
+
+def test_compiled_graph_caches_key_on_every_kernel_an_op_launches():
+    # AOTAutograd's cache keys a graph on the source of the kernels torch records for each
+    # triton_op in it (and of every Triton function they call); an op recorded without its
+    # kernels would serve a graph compiled before a kernel changed.
+    from torch._library.triton import get_triton_kernels_for_op
+
+    for bucket in SUPPORTED_BUCKETS:
+        kernels = get_triton_kernels_for_op(INT4_QUANTIZED_GEMM.op(bucket).default._name)
+        gemm = "_w4a8_kernel" if bucket in W4A8_BUCKETS else "_w4a16_kernel"
+        expected = {gemm, "_splitk_reduce_kernel"} | ({"_quantize_kernel"} if bucket in W4A8_BUCKETS else set())
+        assert {kernel.__name__ for kernel in kernels} == expected, bucket
+    # The source the key is made of, read where kernels are not interpreted: every recorded
+    # kernel's can be read, and a helper's change (here the W4A16 kernel's activation_rows)
+    # changes it too.
+    closure = run_compiling_python(
+        "from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as source\n"
+        "from torch._library.triton import get_triton_kernels_for_op\n"
+        "from coalesced_int4.kernels import INT4_QUANTIZED_GEMM, SUPPORTED_BUCKETS\n"
+        "sources = {b: [source(k) for k in get_triton_kernels_for_op(INT4_QUANTIZED_GEMM.op(b).default._name)]\n"
+        "           for b in SUPPORTED_BUCKETS}\n"
+        "print(sources[64][0])")
+    assert closure.returncode == 0, closure.stderr[-2000:]
+    assert "def activation_rows(" in closure.stdout and "def _w4a16_kernel(" in closure.stdout

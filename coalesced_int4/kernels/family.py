@@ -6,6 +6,12 @@ validates its arguments, then launches. Under torch.compile / AOTInductor the op
 into its Triton launches (``wrap_triton``), so the kernels are compiled into the generated
 code; its fake kernel returns an empty bf16 ``(M, N)`` with M symbolic when it is.
 
+Each op's ``kernels(b)`` (the Triton kernels its launches may run) are recorded with torch as
+the kernels of that op: torch finds a ``triton_op``'s kernels by reading its function's source,
+which here reaches them only through the launcher, and AOTAutograd's cache keys a compiled graph
+on those kernels' sources (with every Triton function they call). Without them a graph compiled
+before a kernel changed was served from the cache with the old kernel's code.
+
 ``supports(b, *args)`` never raises; ``validate(b, *args)`` raises
 ``RuntimeError("<name>_m<b>: <reason>")``; ``op(b)`` for an unknown bucket raises
 ``RuntimeError("unsupported <name> bucket <b>; expected one of <buckets>")``.
@@ -19,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import triton
+from torch._library import triton as torch_triton_ops
 from torch.library import triton_op, wrap_triton  # noqa: F401  (looked up here at launch; tests patch it)
 
 NAMESPACE = "coalesced_int4"
@@ -38,6 +45,7 @@ class QuantizedGemmFamily:
         launch: Callable,
         fake: Callable,
         unsupported_reason: Callable[..., Optional[str]],
+        kernels: Callable[[int], Sequence[object]],
     ):
         if not buckets or any(b < 1 for b in buckets) or len(set(buckets)) != len(buckets):
             raise ValueError(f"buckets must be distinct positive row counts, got {tuple(buckets)}")
@@ -46,6 +54,7 @@ class QuantizedGemmFamily:
         self._launch = launch
         self._fake = fake
         self._unsupported_reason = unsupported_reason
+        self._kernels = kernels
         hints = typing.get_type_hints(prototype)  # resolves postponed (string) annotations
         signature = inspect.signature(prototype)
         self._signature = signature.replace(
@@ -69,8 +78,14 @@ class QuantizedGemmFamily:
             function.__name__ = function.__qualname__ = name
             function.__signature__ = self._signature
             function.__annotations__ = self._annotations
-        op = triton_op(f"{NAMESPACE}::{self.name}_m{bucket}", mutates_args=())(impl)
+        qualified_name = f"{NAMESPACE}::{self.name}_m{bucket}"
+        op = triton_op(qualified_name, mutates_args=())(impl)
         op.register_fake(fake)
+        # torch's own record of each triton_op's kernels (internal; a torch without it has
+        # nothing to record them in).
+        registry = getattr(torch_triton_ops, "triton_ops_to_kernels", None)
+        if registry is not None:
+            registry[qualified_name] = list(self._kernels(bucket))
         return getattr(torch.ops, NAMESPACE).__getattr__(f"{self.name}_m{bucket}")
 
     def _check_bucket(self, bucket: int) -> None:

@@ -35,7 +35,8 @@ from coalesced_int4.kernels.rules import (
     prune_int4_configs,
     unsupported_reason,
 )
-from coalesced_int4.kernels.w4a8 import _w4a8_kernel, launch_w4a8
+from coalesced_int4.kernels.split_k import _splitk_reduce_kernel
+from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel, launch_w4a8
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
 
 AUTOTUNE_KEY = ["N", "K", "split_k"]
@@ -43,6 +44,12 @@ AUTOTUNE_KEY = ["N", "K", "split_k"]
 
 def _jit_kernel(bucket: int):
     return _w4a8_kernel if bucket in W4A8_BUCKETS else _w4a16_kernel
+
+
+def launched_kernels(bucket: int) -> tuple:
+    """Every Triton kernel a launch of ``bucket`` may run: its GEMM, the split-K reduction
+    and, for W4A8, the activation quantization."""
+    return (_jit_kernel(bucket), _splitk_reduce_kernel, *((_quantize_kernel,) if bucket in W4A8_BUCKETS else ()))
 
 
 def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
@@ -119,5 +126,5 @@ def _prototype(
 
 
 INT4_QUANTIZED_GEMM = QuantizedGemmFamily(
-    "int4_quantized_gemm", SUPPORTED_BUCKETS, _prototype, launch, _fake, unsupported_reason
+    "int4_quantized_gemm", SUPPORTED_BUCKETS, _prototype, launch, _fake, unsupported_reason, launched_kernels
 )

@@ -113,6 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--block-n", type=int, required=True)
     parser.add_argument("--groups", type=int, default=32, help="w4a8: groups of 32 per trip")
     parser.add_argument("--block-k", type=int, default=256, help="w4a16: weights of K per trip")
+    parser.add_argument("--batch-rows", type=int, default=None, help="w4a16: activation rows multiplied (default: the bucket)")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--prefetch", action="store_true", help="w4a8: the next trip's tile in registers")
@@ -126,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.family == "w4a8":
         constants.update(GROUPS=args.groups, PREFETCH=args.prefetch)
     else:
-        constants.update(BLOCK_K=args.block_k)
+        constants.update(BLOCK_K=args.block_k, BATCH_ROWS=args.batch_rows or args.bucket)
     result = census(args.family, constants, args.warps, args.prequantized)
     limits = ", ".join(f"{count} by {limit}" for limit, count in result.programs_by.items())
     print(f"{args.family} {constants} warps {args.warps}{' prequantized' if args.prequantized else ''}: "

@@ -304,11 +304,11 @@ def test_the_tuning_key_is_the_one_triton_caches_under():
     autotuner = BUCKET_KERNELS[8]
     names = autotuner.arg_names
     args = [torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else 7 for n in names[:names.index("PARTIAL")]]
-    kwargs = {"PARTIAL": False, "BUCKET": 8, "INTERPRET": False}
+    kwargs = {"PARTIAL": False, "BUCKET": 8, "BATCH_ROWS": 8, "INTERPRET": False}
     key = tuning_key(autotuner, args, kwargs)
     named = dict(zip(names, args))
-    assert key[:3] == (named["N"], named["K"], named["split_k"])
-    assert key[3:] == tuple(["torch.bfloat16"] * 7)
+    assert key[:4] == (named["N"], named["K"], named["split_k"], 8)
+    assert key[4:] == tuple(["torch.bfloat16"] * 7)
 
 
 # ---------------------------------------------------------------- precompile and tracing picks
@@ -387,7 +387,7 @@ def test_a_tuned_key_is_traced_with_one_object_holding_only_its_pick():
     names = autotuner.arg_names
     args = tuple(torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else 1 << 12
                  for n in names[:names.index("PARTIAL")])
-    kwargs = {"PARTIAL": False, "BUCKET": 8, "INTERPRET": False}
+    kwargs = {"PARTIAL": False, "BUCKET": 8, "BATCH_ROWS": 8, "INTERPRET": False}
     assert tuner.tuned_kernel(autotuner, args, kwargs) is autotuner  # untuned: every config
     key = tuning_key(autotuner, args, kwargs)
     autotuner.cache[key] = autotuner.configs[1]

@@ -179,6 +179,21 @@ def test_a_compiled_bucket_with_dynamic_m_serves_fewer_rows(bucket, ms):
             assert_close_to_reference(out, dequant_matmul_reference(x, packed))
 
 
+def test_a_static_m_of_at_most_48_runs_bucket_64s_48_rows_compiled_as_eager():
+    """A static M <= 48 on bucket 64 multiplies 48 activation rows (``w4a16_batch_rows``)
+    through the traced launch as through the eager one."""
+    torch._dynamo.reset()
+    packed = _packed(257, 512, seed=43)
+    x = _x(40, 512)
+    gemm = lambda x: INT4_QUANTIZED_GEMM.op(64)(x, *packed, 32)  # noqa: E731
+    with torch.no_grad():
+        compiled = torch.compile(gemm, fullgraph=True, dynamic=False)(x)
+        eager = gemm(x)
+    assert compiled.shape == (40, 257)
+    assert_close_to_reference(compiled, eager)
+    assert_close_to_reference(eager, dequant_matmul_reference(x, packed))
+
+
 def _activation(bucket, k, seed, outliers):
     torch.cuda.manual_seed(seed)
     x = _x(bucket, k)

@@ -163,6 +163,20 @@ def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
             assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
 
 
+@pytest.mark.parametrize("m", [33, 48])
+def test_w4a16_bucket_64_at_48_rows_gives_the_bits_of_the_whole_bucket(m):
+    """At M <= 48 bucket 64 multiplies 48 activation rows, in a dot of 32 and one of 16
+    (``w4a16_batch_rows``). Its outputs are the bits of the same rows in a batch padded to
+    64, which runs the one 64-row dot, with and without split-K."""
+    packed, _ = packed_weight(70, 512, seed=m, device=DEVICE)
+    x = _x(m, 512, seed=m)
+    padded = torch.cat([x, _x(64 - m, 512, seed=m + 1)])
+    for split in (1, 2):
+        config = prune_int4_configs(int4_autotune_configs(64), {"K": 512, "split_k": split})[-1]
+        narrow = launch(64, x, *packed, 32, split_k=split, config=config)
+        assert torch.equal(narrow, launch(64, padded, *packed, 32, split_k=split, config=config)[:m]), split
+
+
 def _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, configs):
     """One-hot activation rows pick single weights: an output is one weight times 1 plus exact
     zeros, so it must be the reference dequantization's bf16 weight, bit for bit, at every

@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from coalesced_int4.kernels import (
     INT4_QUANTIZED_GEMM,
@@ -25,6 +26,7 @@ from coalesced_int4.kernels.rules import (
     W4A8_TILES,
     W4A16_STAGES,
     W4A16_TILES,
+    w4a16_batch_rows,
 )
 from tests.conftest import run_compiling_python
 
@@ -184,6 +186,14 @@ def test_w4a8_config_space():
                  c.kwargs["PREFETCH"]) for c in configs}
         assert seen == {(n, g, w, s, s, p) for n, g, w in W4A8_TILES for s in W4A8_STAGES for p in W4A8_PREFETCH}
         assert len(configs) == len(W4A8_TILES) * len(W4A8_STAGES) * len(W4A8_PREFETCH)
+
+
+def test_w4a16_multiplies_48_rows_only_for_a_static_m_of_at_most_48_at_bucket_64():
+    assert [w4a16_batch_rows(64, m) for m in (33, 40, 48, 49, 64)] == [48, 48, 48, 64, 64]
+    symbolic_m = ShapeEnv().create_unbacked_symint()
+    assert w4a16_batch_rows(64, symbolic_m) == 64  # one binary serves a dynamic M's range
+    for bucket in (8, 16, 32):
+        assert {w4a16_batch_rows(bucket, m) for m in range(bucket // 2 + 1, bucket + 1)} == {bucket}
 
 
 def test_w4a16_config_space():

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_BUCKET
+from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
 from tests.conftest import run_compiling_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +36,8 @@ def _census(family, constants, warps):
 @pytest.mark.parametrize("family, constants, warps, loop_opcode", [
     ("w4a8", {"PARTIAL": False, "BUCKET": 1, "BLOCK_N": 16, "GROUPS": 32, "STAGES": 2, "PREFETCH": False,
               "INTERPRET": False}, 4, "IDP.4A"),
-    ("w4a16", {"PARTIAL": False, "BUCKET": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 3, "INTERPRET": False},
+    ("w4a16", {"PARTIAL": False, "BUCKET": 64, "BATCH_ROWS": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 3,
+               "INTERPRET": False},
      4, "HGMMA"),
 ])
 def test_the_census_finds_the_k_loop_and_the_occupancy_limits(family, constants, warps, loop_opcode):
@@ -59,8 +60,8 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     of a quad converts one group's scale and zero codes and the quad shares them by shuffles:
     4 conversions and 8 shuffles a thread and trip here, where each lane converting every
     group of its rows took 16 conversions, and the lane id is read once, before the loop."""
-    result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 2,
-                               "INTERPRET": False}, 4)
+    result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BATCH_ROWS": bucket, "BLOCK_N": 64,
+                               "BLOCK_K": 128, "STAGES": 2, "INTERPRET": False}, 4)
     loop = result["main_loop"]
     assert any(text.startswith("LDG.E ") for text in loop)  # the next trip's code words
     assert not any(text.startswith("STS") for text in loop)
@@ -75,18 +76,22 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     assert not any(text.startswith("S2R") for text in loop)
 
 
-@pytest.mark.parametrize("bucket", [16, 32, 64])
-def test_w4a16_dot_is_left_whole_up_to_the_waited_bucket(bucket):
-    """Up to ``WAITED_DOT_MAX_BUCKET`` a trip's eight ``HGMMA``s are issued behind one fence
-    and waited for at the end of the trip; above it Triton pipelines the dot across trips in
-    16-wide pieces of K, each behind its own fence."""
-    loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BLOCK_N": 64, "BLOCK_K": 128, "STAGES": 3,
-                             "INTERPRET": False}, 4)["main_loop"]
+@pytest.mark.parametrize("bucket, batch_rows", [(16, 16), (32, 32), (64, 64), (64, 48)])
+def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
+    """A dot of up to ``WAITED_DOT_MAX_ROWS`` activation rows issues a trip's eight
+    ``HGMMA``s behind one fence and one wait for the whole dot; a wider one Triton
+    pipelines across trips in 16-wide pieces of K, each behind its own fence. Bucket 64 at
+    48 rows runs two dots on the same decoded weights (32 and 16 rows), both left whole."""
+    loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
+                             "BLOCK_K": 128, "STAGES": 3, "INTERPRET": False}, 4)["main_loop"]
     fences = sum(text.startswith("WARPGROUP.ARRIVE") for text in loop)
     full_waits = sum(text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for text in loop)
-    assert sum(text.startswith("HGMMA") for text in loop) == 128 // 16
-    if bucket <= WAITED_DOT_MAX_BUCKET:
-        assert (fences, full_waits) == (1, 1)
+    rows_per_dot = (bucket,) if batch_rows == bucket else (bucket // 2, bucket // 4)
+    assert {text.split()[0] for text in loop if text.startswith("HGMMA")} == {
+        f"HGMMA.64x{rows}x16.F32.BF16" for rows in rows_per_dot}
+    assert sum(text.startswith("HGMMA") for text in loop) == len(rows_per_dot) * 128 // 16
+    if max(rows_per_dot) <= WAITED_DOT_MAX_ROWS:
+        assert fences == full_waits == len(rows_per_dot)
     else:
         assert (fences, full_waits) == (128 // 16, 0)
 
@@ -102,7 +107,8 @@ DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
     dependent = json.loads(sys.argv[1])
     kernels = {
         "w4a16": (_w4a16_kernel, {**POINTERS, **CODE_WORDS},
-                  dict(PARTIAL=False, BUCKET=16, BLOCK_N=64, BLOCK_K=128, STAGES=2, INTERPRET=False)),
+                  dict(PARTIAL=False, BUCKET=16, BATCH_ROWS=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
+                       INTERPRET=False)),
         "w4a8": (_w4a8_kernel, POINTERS,
                  dict(PARTIAL=False, BUCKET=4, BLOCK_N=16, GROUPS=32, STAGES=2, PREFETCH=False, INTERPRET=False)),
         "quantize": (_quantize_kernel, {"x_ptr": "*bf16", "out_ptr": "*i32"}, dict(GROUPS=16, INTERPRET=False)),

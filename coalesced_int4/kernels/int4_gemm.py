@@ -3,7 +3,7 @@
 ``(x (M, K) bf16, qdata, scale, scale_step, zero_point, zero_point_step, group_size) ->
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
-(``BUCKET_KERNELS[b]``, key N, K, split_k) over ``int4_autotune_configs(b)``, pruned by
+(``BUCKET_KERNELS[b]``, key N, K, split_k, and for W4A16 the rows it multiplies) over ``int4_autotune_configs(b)``, pruned by
 ``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``;
 each bucket's under its own name).
 The split-K, and for W4A8 whether the activations are quantized by a kernel of their own
@@ -40,6 +40,9 @@ from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel, launch_w
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
 
 AUTOTUNE_KEY = ["N", "K", "split_k"]
+W4A16_AUTOTUNE_KEY = AUTOTUNE_KEY + ["BATCH_ROWS"]
+"""The W4A16 kernel's tile config is also picked per count of activation rows it multiplies
+(``rules.w4a16_batch_rows``)."""
 
 
 def _jit_kernel(bucket: int):
@@ -54,7 +57,8 @@ def launched_kernels(bucket: int) -> tuple:
 
 def _autotuner(bucket: int, configs) -> triton.runtime.Autotuner:
     return persistent_autotune(
-        configs=configs, key=AUTOTUNE_KEY, do_bench=autotune_do_bench,
+        configs=configs, key=AUTOTUNE_KEY if bucket in W4A8_BUCKETS else W4A16_AUTOTUNE_KEY,
+        do_bench=autotune_do_bench,
         prune_configs_by={"early_config_prune": prune_int4_configs},
         name=f"int4_gemm_bucket{bucket}",
     )(_jit_kernel(bucket))

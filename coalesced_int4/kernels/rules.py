@@ -123,6 +123,21 @@ halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8
 W4A16_STAGES = (2, 3)
 
 
+def w4a16_batch_rows(bucket: int, m) -> int:
+    """The activation rows the W4A16 kernel multiplies for M rows at ``bucket``: three
+    quarters of bucket 64 (48: a dot of 32 rows and one of 16) where M is static and at most
+    48, else the whole bucket. A symbolic M, however bounded, gets the whole bucket, so that
+    one compiled binary serves its range. On the H200 the 48 rows took 6-14 % off bucket 64
+    at M = 33-48 on SPEC's shapes (14336x4096 at M = 33: 31.1-31.4 -> 27.1 µs at its best
+    split; 4096x4096 at M = 41: 11.2 -> 10.6), with the same bits. Two dots of 32 at
+    M = 49-64 gained nothing, and bucket 32's quarter (8 rows) is unmeasured: both keep
+    one dot (docs/benchmarks.md, session 20)."""
+    three_quarters = 3 * bucket // 4
+    if bucket == 64 and isinstance(m, int) and m <= three_quarters:
+        return three_quarters
+    return bucket
+
+
 def kernel_config(num_warps: int, **meta) -> triton.Config:
     """A kernel config whose compile-time pipeline depth (``num_stages``) is its ``STAGES``,
     the depth its main loop is written for."""

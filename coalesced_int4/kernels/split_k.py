@@ -79,12 +79,13 @@ def reduction_launch(partials, out, m, width=None):
                             **dependent_launch.options(out.device))
 
 
-def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights):
+def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights,
+                        constants=None):
     """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
     if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
     zero_point_step, out, M, N, K, *activation_strides, row strides of qdata, of the codes
     and of the steps, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET,
-    DEPENDENT_LAUNCH)``, the weights
+    DEPENDENT_LAUNCH)`` and the family's own ``constants``, the weights
     as the family's launcher views them (strides in the view's elements). The split count is
     a runtime argument so every split shares one binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
@@ -103,7 +104,7 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
             scale_step.stride(0), split_k, stride_s, target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
-              **dependent_launch.options(qdata.device)}
+              **dependent_launch.options(qdata.device), **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.wrap_triton(kernel)[grid](*args, **kwargs)

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
-from coalesced_int4.kernels.rules import CODE_WORD
+from coalesced_int4.kernels.rules import CODE_WORD, w4a16_batch_rows
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
@@ -200,23 +200,24 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
     return tl.reshape(pair, [R, 8 * W])
 
 
-WAITED_DOT_MAX_BUCKET = tl.constexpr(32)
-"""The largest bucket whose dot completes within its trip. Triton pipelines a dot whose left
-operand is in registers across trips by splitting it into 16-wide pieces of K, each with its
-own fence, wait and shared-memory descriptor: 33 and 41 instructions of a 128-weight trip at
-buckets 16 and 32 (offline sm_90; bucket 8's ``mma.sync`` dot is never split). Waiting for
-the whole dot at the end of its trip costs the tensor cores' time for it instead, which
-grows with the bucket. On the H200 that was 1-7 % faster at M = 16 and 32 on SPEC's shapes
-but 4096x4096 at M = 32 (1.5 % slower), and from 1 % faster to 5 % slower at M = 64
-(docs/benchmarks.md, session 18)."""
+WAITED_DOT_MAX_ROWS = tl.constexpr(32)
+"""The most activation rows a dot may have and still complete within its trip. Triton
+pipelines a dot whose left operand is in registers across trips by splitting it into 16-wide
+pieces of K, each with its own fence, wait and shared-memory descriptor: 33 and 41
+instructions of a 128-weight trip at buckets 16 and 32 (offline sm_90; bucket 8's
+``mma.sync`` dot is never split). Waiting for the whole dot at the end of its trip costs the
+tensor cores' time for it instead, which grows with its rows. On the H200 that was 1-7 %
+faster at M = 16 and 32 on SPEC's shapes but 4096x4096 at M = 32 (1.5 % slower), and from
+1 % faster to 5 % slower for bucket 64's 64-row dot (docs/benchmarks.md, session 18)."""
 
 
 @triton.jit
 def activation_rows(offs_m, M):
     """The activation row each accumulator row reads: itself below M. Rows >= M are never
     stored, so they may read any row, which saves masking every activation copy; row r reads
-    row r - M (clamped to M - 1), so that each row is read at most twice wherever
-    M > BUCKET / 2, which dispatch's smallest covering bucket guarantees. Until session 19
+    row r - M (clamped to M - 1), so that each row is read at most twice wherever M is more
+    than half the rows multiplied, which dispatch's smallest covering bucket and
+    ``rules.w4a16_batch_rows`` guarantee. Until session 19
     they all read row M - 1, up to 31 copies of one row a trip, and a batch between buckets
     ran up to 1.9x slower than a full one: 4096x4096 at M = 33 took 18-19 µs against 11.1
     now, 14336x4096 at M = 40 57 against 31 (docs/benchmarks.md)."""
@@ -236,45 +237,73 @@ def _completed(acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns):
+    """Activation rows ``x_rows``, K columns ``k0 + columns``: bf16 [rows, BLOCK_K]."""
+    return tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
+
+
+@triton.jit
+def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, PARTIAL: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Store ``acc`` [BLOCK_N, R], the outputs of rows ``first_row`` .. ``first_row + R - 1``,
+    below row M: bf16 outputs, or fp32 partials where ``PARTIAL``."""
+    offs_m = first_row + tl.arange(0, acc.shape[1])
+    ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_mask[:, None] & (offs_m < M)[None, :]
+    if not PARTIAL:
+        tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
+    else:
+        tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
+    BATCH_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Programs: (N tiles, split_k); every program covers all BUCKET rows (rows >= M masked).
+    """Programs: (N tiles, split_k); every program multiplies BATCH_ROWS activation rows
+    (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), rows >= M masked.
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
     steps (sn) are passed apart from K so that Triton's divisibility specialization proves
     their alignment.
 
-    BLOCK_N: weight rows per program. BLOCK_K: weights of K per main-loop trip, a super-block
-    (256) or half of one (128: half the shared memory per pipeline stage and half the decoded
-    tile's registers, for more programs per SM at large buckets). STAGES: software-pipelining
-    depth over trips. INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these
-    values), since the interpreter computes bf16 math on raw bits. PARTIAL: write fp32
-    partials [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH:
-    launched with programmatic dependent launch (``dependent_launch``).
+    BATCH_ROWS: the bucket's rows in one dot, or three quarters of them in two: a dot of
+    BUCKET / 2 rows (``HEAD_ROWS``) and one of BUCKET / 4 (``TAIL_ROWS``) on the same decoded
+    weights, for a quarter less tensor-core work and activation traffic. BLOCK_N: weight rows
+    per program. BLOCK_K: weights of K per main-loop trip, a super-block (256) or half of one
+    (128: half the shared memory per pipeline stage and half the decoded tile's registers,
+    for more programs per SM at large buckets). STAGES: software-pipelining depth over trips.
+    INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
+    interpreter computes bf16 math on raw bits. PARTIAL: write fp32 partials
+    [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH: launched
+    with programmatic dependent launch (``dependent_launch``).
     """
     TRIPS_PER_SB: tl.constexpr = 256 // BLOCK_K
+    HEAD_ROWS: tl.constexpr = BUCKET if BATCH_ROWS == BUCKET else BUCKET // 2
+    TAIL_ROWS: tl.constexpr = BATCH_ROWS - HEAD_ROWS
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)
-    offs_m = tl.arange(0, BUCKET)
-    m_mask = offs_m < M
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
-    x_rows = activation_rows(offs_m, M)
+    head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
-    acc = tl.zeros((BLOCK_N, BUCKET), tl.float32)
+    acc = tl.zeros((BLOCK_N, HEAD_ROWS), tl.float32)
+    if TAIL_ROWS > 0:
+        tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M)
+        tail_acc = tl.zeros((BLOCK_N, TAIL_ROWS), tl.float32)
     # A trip's scale and zero codes and steps are a few bytes per row. Loaded in the trip that
     # uses them, they stalled it on global memory and reached the decode's layout through
     # shared memory behind a barrier; given to the pipeliner as words, they came back as 64
@@ -284,8 +313,10 @@ def _w4a16_kernel(
     selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
     last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
-        if BUCKET <= WAITED_DOT_MAX_BUCKET:
+        if HEAD_ROWS <= WAITED_DOT_MAX_ROWS:
             acc = _completed(acc, INTERPRET)
+        if TAIL_ROWS > 0:
+            tail_acc = _completed(tail_acc, INTERPRET)
         k0 = trip * BLOCK_K
         words = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 8 + words_of_trip[None, :])
         scale_codes, scale_step, zero_codes, zero_step = meta
@@ -293,23 +324,24 @@ def _w4a16_kernel(
                           tl.minimum(trip + 1, last_trip), BLOCK_K)
         groups = _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET)
         w = _decode(words, groups, INTERPRET)
-        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
-        acc += bf16_dot(w, tl.trans(a), INTERPRET)
+        acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, head_rows, stride_xm, k0, columns)), INTERPRET)
+        if TAIL_ROWS > 0:
+            tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
-    ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if not PARTIAL:
-        tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
-    else:
-        tl.store(ptrs, acc, mask=mask)
+    out_ptr += pid_s * stride_os
+    _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, PARTIAL, INTERPRET)
+    if TAIL_ROWS > 0:
+        _store_rows(tail_acc, out_ptr, HEAD_ROWS, offs_n, n_mask, M, stride_om, PARTIAL, INTERPRET)
 
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
-    ``CODE_WORD`` words."""
+    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     words = (qdata.view(CODE_WORD), scale.view(CODE_WORD), scale_step, zero_point.view(CODE_WORD), zero_point_step)
+    m = x.shape[0]
     return launch_split_k_gemm(
-        kernel, bucket=bucket, m=x.shape[0], k=x.shape[1], split_k=split_k,
+        kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,
+        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
     )

@@ -128,10 +128,10 @@ def w4a16_batch_rows(bucket: int, m) -> int:
     quarters of bucket 64 (48: a dot of 32 rows and one of 16) where M is static and at most
     48, else the whole bucket. A symbolic M, however bounded, gets the whole bucket, so that
     one compiled binary serves its range. On the H200 the 48 rows took 6-14 % off bucket 64
-    at M = 33-48 on SPEC's shapes (14336x4096 at M = 33: 31.1-31.4 -> 27.1 µs at its best
-    split; 4096x4096 at M = 41: 11.2 -> 10.6), with the same bits. Two dots of 32 at
-    M = 49-64 gained nothing, and bucket 32's quarter (8 rows) is unmeasured: both keep
-    one dot (docs/benchmarks.md, session 20)."""
+    at M = 33-48 on SPEC's shapes, with the same bits (same-process A/B, µs: 14336x4096 at
+    M = 33, split 4, 30.8 -> 27.1; 4096x4096 at M = 41 11.2 -> 10.6; 8448x6656 at M = 33
+    27.4-27.8 -> 23.6-23.7). Two dots of 32 rows at M = 49-64 gained nothing, and bucket
+    32's quarter (8 rows) is unmeasured: both keep one dot (docs/benchmarks.md, session 20)."""
     three_quarters = 3 * bucket // 4
     if bucket == 64 and isinstance(m, int) and m <= three_quarters:
         return three_quarters
@@ -147,8 +147,8 @@ def kernel_config(num_warps: int, **meta) -> triton.Config:
 def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages x
     prefetch.
-    W4A16: BLOCK_M is the bucket (one tile holds every row, so the weights are decoded once)
-    x every tile of ``W4A16_TILES`` x stages."""
+    W4A16: one tile holds every activation row the kernel multiplies (``w4a16_batch_rows``),
+    so the weights are decoded once, x every tile of ``W4A16_TILES`` x stages."""
     if bucket in W4A8_BUCKETS:
         return [
             kernel_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)

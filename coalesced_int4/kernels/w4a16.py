@@ -3,11 +3,12 @@
 A program reads its weight rows' codes as int32 words of 8 weights (byte b of a word holds
 weights 2b and 2b + 1, low nibble first), decodes them with the reference's bf16 rounding chain
 ``w = bf16(bf16(q - zero) * scale)``, where ``scale = bf16(sc * ss)`` and
-``zero = bf16(zc * zs)``, and accumulates ``acc[BLOCK_N, BUCKET] += w @ x^T`` in fp32. The
+``zero = bf16(zc * zs)``, and accumulates ``acc[BLOCK_N, rows] += w @ x^T`` in fp32. The
 weights are the left operand (M of the MMA is BLOCK_N >= 32), the activations the right one
-(N of the MMA is the bucket, 8..64): at these batch sizes this keeps the tensor cores busy
-without padding M, and every activation row is covered by one tile so each weight is decoded
-exactly once.
+(N of the MMA is the bucket, 8..64, or at bucket 64 and M <= 48 two dots of 32 and 16 rows:
+``rules.w4a16_batch_rows``): at these batch sizes this keeps the tensor cores busy without
+padding M, and every activation row is covered by one tile so each weight is decoded exactly
+once.
 
 The decode works on pairs of weights, the unit in which the tensor-core layouts hold the left
 operand (two consecutive k in one 32-bit register). On the GPU one block of inline PTX

@@ -3,9 +3,9 @@
 ``(x (M, K) bf16, qdata, scale, scale_step, zero_point, zero_point_step, group_size) ->
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
-(``BUCKET_KERNELS[b]``, key N, K, split_k, and for W4A16 the rows it multiplies) over ``int4_autotune_configs(b)``, pruned by
-``prune_int4_configs``, whose picks persist across processes (``autotune/persistent.py``;
-each bucket's under its own name).
+(``BUCKET_KERNELS[b]``, key N, K, split_k, and for W4A16 the rows it multiplies) over
+``int4_autotune_configs(b)``, pruned by ``prune_int4_configs``, whose picks persist across
+processes (``autotune/persistent.py``; each bucket's under its own name).
 The split-K, and for W4A8 whether the activations are quantized by a kernel of their own
 first (``prequantize``), are launch parameters: the first candidates (split 1, quantized
 inside the GEMM) unless given, or timed per shape inside ``autotune_launch_params()``.

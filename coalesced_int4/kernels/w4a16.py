@@ -316,7 +316,7 @@ def _w4a16_kernel(
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
         if HEAD_ROWS <= WAITED_DOT_MAX_ROWS:
             acc = _completed(acc, INTERPRET)
-        if TAIL_ROWS > 0:
+        if TAIL_ROWS > 0:  # a quarter of the bucket, always within WAITED_DOT_MAX_ROWS
             tail_acc = _completed(tail_acc, INTERPRET)
         k0 = trip * BLOCK_K
         words = tl.load(q_ptr + rows[:, None] * stride_qn + k0 // 8 + words_of_trip[None, :])

@@ -34,7 +34,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$ou
 for step in $steps; do
   case $step in
     tests)
-      timeout "${TESTS_S:-330}" python -m pytest -q -rfs -p no:cacheprovider --durations=15 \
+      # -v names each test as it ends, so a run stopped by the cap still says which finished
+      # (session 20: 149 tests over 8 workers ran past 310 s, one unfinished and unnamed).
+      timeout "${TESTS_S:-420}" python -m pytest -v -rfs -p no:cacheprovider --durations=15 \
         ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py tests/test_decode_attention.py \
         tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
         > "$out/tests.log" 2>&1

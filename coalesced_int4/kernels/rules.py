@@ -130,8 +130,10 @@ def w4a16_batch_rows(bucket: int, m) -> int:
     one compiled binary serves its range. On the H200 the 48 rows took 6-14 % off bucket 64
     at M = 33-48 on SPEC's shapes, with the same bits (same-process A/B, µs: 14336x4096 at
     M = 33, split 4, 30.8 -> 27.1; 4096x4096 at M = 41 11.2 -> 10.6; 8448x6656 at M = 33
-    27.4-27.8 -> 23.6-23.7). Two dots of 32 rows at M = 49-64 gained nothing, and bucket
-    32's quarter (8 rows) is unmeasured: both keep one dot (docs/benchmarks.md, session 20)."""
+    27.4-27.8 -> 23.6-23.7). Two dots of 32 rows at M = 49-64 gained nothing, and at bucket
+    32 the quarter's dot (8 rows) falls back to ``mma.sync``, whose operand layout lengthens
+    the loop from 268 to 463 instructions a trip (offline sm_90): both keep one dot
+    (docs/benchmarks.md, session 20)."""
     three_quarters = 3 * bucket // 4
     if bucket == 64 and isinstance(m, int) and m <= three_quarters:
         return three_quarters

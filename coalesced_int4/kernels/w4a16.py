@@ -288,6 +288,8 @@ def _w4a16_kernel(
     with programmatic dependent launch (``dependent_launch``).
     """
     TRIPS_PER_SB: tl.constexpr = 256 // BLOCK_K
+    tl.static_assert(BATCH_ROWS == BUCKET or 4 * BATCH_ROWS == 3 * BUCKET,
+                     "BATCH_ROWS is the bucket or three quarters of it")
     HEAD_ROWS: tl.constexpr = BUCKET if BATCH_ROWS == BUCKET else BUCKET // 2
     TAIL_ROWS: tl.constexpr = BATCH_ROWS - HEAD_ROWS
     wait_for_previous_kernel(DEPENDENT_LAUNCH)

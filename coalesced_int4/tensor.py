@@ -35,6 +35,7 @@ from coalesced_int4.quantize import (
     encode_superscale,
     quantize_weight,
 )
+from coalesced_int4.source import source_hash
 
 __all__ = ["CudaCoalescedInt4Tensor"]
 
@@ -159,9 +160,13 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
         return dequantize_packed(self.packed, torch.float32).to(dtype)
 
     def _stable_hash_for_caching(self) -> str:
-        """Cache identity for torch.compile's AOT autograd cache: the metadata, not the data."""
+        """Cache identity for torch.compile's AOTAutograd cache: the metadata, not the data,
+        and this package's source (``source.source_hash``). The cache keys a graph before
+        the tensor's ops are traced, so without the source a graph compiled by an earlier
+        version of the package (another dispatch, another kernel) was served after an
+        upgrade."""
         parts = [type(self).__qualname__, str(self.block_size), str(tuple(self.shape)),
-                 str(self.activation_dtype)]
+                 str(self.activation_dtype), source_hash()]
         for t in self.packed:
             parts.append(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.storage_offset()}{t.device.type}")
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()

@@ -1,16 +1,20 @@
 """CudaCoalescedInt4Tensor: construction, dequantize, the aten ops it promises (each keeps the
-format and the bits), serialization with torch.load(weights_only=True), and clear errors."""
+format and the bits), serialization with torch.load(weights_only=True), clear errors, and
+torch.compile's cache telling versions of the package apart."""
 
 import io
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from torchao.quantization import Int4Tensor
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 
+import coalesced_int4
 from coalesced_int4 import CudaCoalescedInt4Tensor
 from coalesced_int4.quantize import dequantize_packed, pack_nibbles
-from tests.conftest import random_weight
+from tests.conftest import random_weight, run_compiling_python
 
 
 @pytest.fixture
@@ -124,3 +128,37 @@ def test_state_dict_round_trips_through_torch_load_weights_only(weight):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)["w"]
     assert isinstance(loaded, CudaCoalescedInt4Tensor) and _same_bits(loaded, weight)
+
+
+_COMPILE_A_QUANTIZED_LINEAR = """
+import torch, coalesced_int4
+torch.manual_seed(0)
+linear = torch.nn.Linear(256, 64, bias=False, dtype=torch.bfloat16)
+coalesced_int4.quantize_(linear, coalesced_int4.int4_config())
+x = torch.randn(3, 256, dtype=torch.bfloat16)
+print(coalesced_int4.__file__, torch.equal(torch.compile(linear, fullgraph=True)(x), linear(x)))
+"""
+
+
+def test_a_graph_compiled_by_another_version_of_the_package_is_not_reused(tmp_path, monkeypatch):
+    # torch.compile's AOTAutograd cache keys a graph before the weight's ops are traced, on
+    # the weight's _stable_hash_for_caching: a version of the package whose dispatch computes
+    # something else (here twice the product) must compile its own graph, not be served the
+    # graph the first version left in the cache.
+    package = Path(coalesced_int4.__file__).parent
+    other = tmp_path / "other"
+    shutil.copytree(package, other / "coalesced_int4", ignore=shutil.ignore_patterns("__pycache__"))
+    dispatch = other / "coalesced_int4" / "dispatch" / "linear.py"
+    source = dispatch.read_text()
+    assert source.count("return F.linear(x_2d, dequantize") == 1
+    dispatch.write_text(source.replace("return F.linear(x_2d, dequantize", "return 2 * F.linear(x_2d, dequantize"))
+    monkeypatch.chdir(tmp_path)  # python -c puts its working directory first on the path
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    for root in (package.parent, other):
+        run = run_compiling_python(_COMPILE_A_QUANTIZED_LINEAR, path=(str(root),))
+        assert run.returncode == 0, run.stderr[-2000:]
+        imported, compiled_equals_eager = run.stdout.split()[-2:]
+        assert Path(imported).parent == root / "coalesced_int4"
+        assert compiled_equals_eager == "True", root

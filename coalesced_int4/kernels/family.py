@@ -8,9 +8,10 @@ code; its fake kernel returns an empty bf16 ``(M, N)`` with M symbolic when it i
 
 Each op's ``kernels(b)`` (the Triton kernels its launches may run) are recorded with torch as
 the kernels of that op: torch finds a ``triton_op``'s kernels by reading its function's source,
-which here reaches them only through the launcher, and AOTAutograd's cache keys a compiled graph
-on those kernels' sources (with every Triton function they call). Without them a graph compiled
-before a kernel changed was served from the cache with the old kernel's code.
+which here reaches them only through the launcher, and AOTAutograd's cache keys a graph that
+calls the op on those kernels' sources (with every Triton function they call). A graph that
+reaches the ops through a quantized weight is keyed by the weight instead
+(``CudaCoalescedInt4Tensor._stable_hash_for_caching``).
 
 ``supports(b, *args)`` never raises; ``validate(b, *args)`` raises
 ``RuntimeError("<name>_m<b>: <reason>")``; ``op(b)`` for an unknown bucket raises

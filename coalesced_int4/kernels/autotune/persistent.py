@@ -11,7 +11,6 @@ Writes are atomic (temporary file + rename), so concurrent processes never read 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import triton
+
+from coalesced_int4.source import source_hash
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +40,9 @@ def cache_directory() -> Optional[Path]:
     return Path(base) / "coalesced_int4"
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
     """Hash of every source file of ``coalesced_int4.kernels``: a kernel change is a miss."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return source_hash("kernels")
 
 
 class PickStore:

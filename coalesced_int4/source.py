@@ -3,9 +3,9 @@
 ``source_hash(folder)`` hashes every Python file under a folder of the package (relative
 names and bytes), once per process. Two caches key on it: the persistent autotune picks
 (``coalesced_int4/kernels``: a kernel change is a miss) and torch.compile's AOTAutograd
-cache through ``CudaCoalescedInt4Tensor._stable_hash_for_caching`` (the whole package: the
-dispatch and the kernels are traced into a compiled graph, and the cache key, taken before
-the tensor's ops are traced, sees neither).
+cache through a quantized weight's ``_stable_hash_for_caching`` and pickled state (the whole
+package: the dispatch and the kernels are traced into a compiled graph, and the cache key,
+taken before the weight's ops are traced, sees neither).
 """
 
 from __future__ import annotations

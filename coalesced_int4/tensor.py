@@ -160,16 +160,22 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
         return dequantize_packed(self.packed, torch.float32).to(dtype)
 
     def _stable_hash_for_caching(self) -> str:
-        """Cache identity for torch.compile's AOTAutograd cache: the metadata, not the data,
-        and this package's source (``source.source_hash``). The cache keys a graph before
-        the tensor's ops are traced, so without the source a graph compiled by an earlier
-        version of the package (another dispatch, another kernel) was served after an
-        upgrade."""
+        """Cache identity for torch.compile's AOTAutograd cache where torch asks for one (2.13
+        does; 2.11 pickles ``__getstate__`` instead): the metadata, not the data, and this
+        package's source (``source.source_hash``). The cache keys a graph before the
+        tensor's ops are traced, so without the source a graph compiled by another version
+        of the package (another dispatch, another kernel) was served."""
         parts = [type(self).__qualname__, str(self.block_size), str(tuple(self.shape)),
                  str(self.activation_dtype), source_hash()]
         for t in self.packed:
             parts.append(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.storage_offset()}{t.device.type}")
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+    def __getstate__(self) -> dict:
+        """The pickled state: the attributes and this package's source hash. A torch without
+        ``_stable_hash_for_caching`` (2.11) keys AOTAutograd's cache on this state instead;
+        loading drops the hash again (``_setstate_without_source``)."""
+        return {**self.__dict__, _SOURCE_STATE: source_hash()}
 
     def _quantization_type(self) -> str:
         return (
@@ -191,6 +197,20 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
             )
         return table[func](func, types, args, kwargs or {})
 
+
+_SOURCE_STATE = "_coalesced_int4_source"
+"""The key of the package's source hash in a pickled tensor's state."""
+_torchao_setstate = CudaCoalescedInt4Tensor.__setstate__
+
+
+def _setstate_without_source(self, state: dict) -> None:
+    """torchao's ``__setstate__`` (installed on every subclass when it is created, hence
+    replaced here rather than overridden in the class) on the state less the source hash,
+    which belongs to the code that pickled it."""
+    _torchao_setstate(self, {k: v for k, v in state.items() if k != _SOURCE_STATE})
+
+
+CudaCoalescedInt4Tensor.__setstate__ = _setstate_without_source
 
 implements = CudaCoalescedInt4Tensor.implements
 implements_torch_function = CudaCoalescedInt4Tensor.implements_torch_function

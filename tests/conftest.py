@@ -28,7 +28,7 @@ def run_compiling_python(code: str, *args: str, path=()) -> subprocess.Completed
     CPU). ``path``: folders put first on the child's PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if path:
-        env["PYTHONPATH"] = os.pathsep.join(path)
+        env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                           timeout=600)
 

@@ -143,7 +143,8 @@ print(coalesced_int4.__file__, torch.equal(torch.compile(linear, fullgraph=True)
 
 def test_a_graph_compiled_by_another_version_of_the_package_is_not_reused(tmp_path, monkeypatch):
     # torch.compile's AOTAutograd cache keys a graph before the weight's ops are traced, on
-    # the weight's _stable_hash_for_caching: a version of the package whose dispatch computes
+    # the weight's _stable_hash_for_caching (torch 2.13) or its pickled state (torch 2.11,
+    # which has no such hook): a version of the package whose dispatch computes
     # something else (here twice the product) must compile its own graph, not be served the
     # graph the first version left in the cache.
     package = Path(coalesced_int4.__file__).parent

@@ -10,8 +10,8 @@ Each op's ``kernels(b)`` (the Triton kernels its launches may run) are recorded 
 the kernels of that op: torch finds a ``triton_op``'s kernels by reading its function's source,
 which here reaches them only through the launcher, and AOTAutograd's cache keys a graph that
 calls the op on those kernels' sources (with every Triton function they call). A graph that
-reaches the ops through a quantized weight is keyed by the weight instead
-(``CudaCoalescedInt4Tensor._stable_hash_for_caching``).
+reaches the ops through a quantized weight is keyed by the weight instead, which brings the
+package's source hash (``coalesced_int4.source``) into the key.
 
 ``supports(b, *args)`` never raises; ``validate(b, *args)`` raises
 ``RuntimeError("<name>_m<b>: <reason>")``; ``op(b)`` for an unknown bucket raises

@@ -5,6 +5,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch._library.triton import set_wrap_triton_enabled
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
 from coalesced_int4.kernels.rules import kernel_config
@@ -48,8 +49,10 @@ def _reference_activation_quantization(x):
 
 def _quantize_activations(x):
     """The words, scales and sums of ``quantize_activations``' layout (``WORDS_PER_GROUP`` a
-    group: 4 even-k words, 4 odd-k words, the scale's bits, the sum, two zeros)."""
-    per_group = quantize_activations(x).view(x.shape[0], -1, WORDS_PER_GROUP.value)
+    group: 4 even-k words, 4 odd-k words, the scale's bits, the sum, two zeros), launched as
+    the GEMM's eager launches do it (``int4_gemm.launch``: wrap_triton off)."""
+    with set_wrap_triton_enabled(False):
+        per_group = quantize_activations(x).view(x.shape[0], -1, WORDS_PER_GROUP.value)
     assert (per_group[..., 10:] == 0).all()
     return per_group[..., :8].flatten(1), per_group[..., 8].view(torch.float32), per_group[..., 9]
 

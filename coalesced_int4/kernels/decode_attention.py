@@ -131,9 +131,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    # Tracing records the launch through wrap_triton; eager launches run the kernel itself.
+    # Tracing records the launch through wrap_triton; eager launches run the kernel itself
+    # (torch 2.11's wrap_triton refuses an interpreted kernel even where it would return it).
     with set_wrap_triton_enabled(is_fake(q)):
-        wrap_triton(_decode_attention_kernel)[(batch, kv_heads)](
+        kernel = wrap_triton(_decode_attention_kernel) if is_fake(q) else _decode_attention_kernel
+        kernel[(batch, kv_heads)](
             q, k_cache, v_cache, out, position,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1),

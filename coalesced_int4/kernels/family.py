@@ -27,7 +27,8 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 import triton
 from torch._library import triton as torch_triton_ops
-from torch.library import triton_op, wrap_triton  # noqa: F401  (looked up here at launch; tests patch it)
+from torch._library.triton import is_wrap_triton_enabled
+from torch.library import triton_op, wrap_triton
 
 NAMESPACE = "coalesced_int4"
 
@@ -35,6 +36,13 @@ NAMESPACE = "coalesced_int4"
 INTERPRETER = bool(triton.knobs.runtime.interpret)
 """Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, fixed when Triton decorates
 them): kernels take their ``INTERPRET`` paths (no inline asm, bf16 math in fp32)."""
+
+
+def launchable(kernel):
+    """What a launch calls: ``wrap_triton(kernel)`` while tracing (looked up here at each
+    launch, so tests can patch it), else ``kernel`` itself, which is what ``wrap_triton``
+    returns then; torch 2.11's ``wrap_triton`` refuses the interpreter's kernels even so."""
+    return wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
 
 
 class QuantizedGemmFamily:

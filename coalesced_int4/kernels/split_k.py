@@ -107,8 +107,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
               **dependent_launch.options(qdata.device), **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
-    family.wrap_triton(kernel)[grid](*args, **kwargs)
+    family.launchable(kernel)[grid](*args, **kwargs)
     if split_k > 1:
         grid, args, meta = reduction_launch(target, out, m)
-        launch_or_queue(family.wrap_triton(_splitk_reduce_kernel), grid, *args, **meta)
+        launch_or_queue(family.launchable(_splitk_reduce_kernel), grid, *args, **meta)
     return out

@@ -174,7 +174,10 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     def __getstate__(self) -> dict:
         """The pickled state: the attributes and this package's source hash. A torch without
         ``_stable_hash_for_caching`` (2.11) keys AOTAutograd's cache on this state instead;
-        loading drops the hash again (``_setstate_without_source``)."""
+        loading drops the hash again (``_setstate_without_source``). torch clears the
+        unpicklable caches from the tensor's ``__dict__`` after taking the state, expecting
+        the dict itself; this state is a copy, so they are cleared first."""
+        self._clear_non_serializable_cached_data()
         return {**self.__dict__, _SOURCE_STATE: source_hash()}
 
     def _quantization_type(self) -> str:

@@ -79,14 +79,7 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False)
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
     compiled = compile_for_sm90(kernel, pointers, {"DEPENDENT_LAUNCH": True, **constants}, warps, constants["STAGES"])
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = cuobjdump("-sass", cubin.name)
-        registers = int(re.search(r"REG:(\d+)", cuobjdump("-res-usage", cubin.name)).group(1))
-    # (address, instruction without its predicate): "/*0ce0*/  @P0 BRA 0x32a0 ;" -> (0xce0, "BRA 0x32a0 ;")
-    body = [(int(m.group(1), 16), m.group(2))
-            for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s*(?:@!?U?P\w+\s+)?(.*)$", sass, re.MULTILINE)]
+    body, registers = sass_of(compiled)
     threads = 32 * warps
     allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread
     shared = compiled.metadata.shared
@@ -96,6 +89,19 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False)
     return Census(registers, shared, programs_by,
                   Counter(text.split()[0].rstrip(";").split(".")[0] for _, text in body), main_loop(body),
                   weights_per_trip / threads)
+
+
+def sass_of(compiled) -> Tuple[List[Tuple[int, str]], int]:
+    """A compiled kernel's SASS as (address, instruction without its predicate) pairs, e.g.
+    ``"/*0ce0*/  @P0 BRA 0x32a0 ;"`` -> ``(0xce0, "BRA 0x32a0 ;")``, and its registers a thread."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = cuobjdump("-sass", cubin.name)
+        registers = int(re.search(r"REG:(\d+)", cuobjdump("-res-usage", cubin.name)).group(1))
+    body = [(int(m.group(1), 16), m.group(2))
+            for m in re.finditer(r"^\s+/\*([0-9a-f]{4})\*/\s*(?:@!?U?P\w+\s+)?(.*)$", sass, re.MULTILINE)]
+    return body, registers
 
 
 def main_loop(body: List[Tuple[int, str]]) -> List[str]:

@@ -1,0 +1,50 @@
+"""``benchmarks/wgmma_rate.py`` times the tensor-core instruction of the W4A16 main loop alone.
+Its numbers mean that only if its loop is that instruction and the operand's rebuild: checked
+offline on the sm_90 SASS (Triton's bundled ptxas, no GPU needed)."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from tests.conftest import run_compiling_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Compiled apart from this process: the suite runs Triton's interpreter, which has no GPU target.
+LOOP = textwrap.dedent("""
+    import inspect, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from sass_census import main_loop, sass_of
+    from wgmma_rate import wgmma_loop
+    constants = json.loads(sys.argv[1])
+    names = list(inspect.signature(wgmma_loop.fn).parameters)
+    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
+    source = GluonASTSource(wgmma_loop, signature, {(names.index(k),): v for k, v in constants.items()}, {})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print(json.dumps(main_loop(sass_of(compiled)[0])))
+""")
+
+
+@pytest.mark.parametrize("n", [16, 64, 256])
+@pytest.mark.parametrize("register_a", [True, False])
+def test_the_timed_loop_is_the_w4a16_dot_and_nothing_else(n, register_a):
+    child = run_compiling_python(LOOP, json.dumps({"N": n, "REGISTER_A": register_a, "OUTSTANDING": 1}),
+                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+    assert child.returncode == 0, child.stderr[-3000:]
+    loop = [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
+    dots = [text for text in loop if "GMMA" in text]
+    # Whole 128-deep dots (the loop may be unrolled), each HGMMA.64xNx16 with the left operand
+    # where the variant puts it: a register, or a shared-memory descriptor.
+    assert dots and len(dots) % 8 == 0
+    assert all(text.startswith(f"HGMMA.64x{n}x16.F32.BF16") for text in dots)
+    assert all(operand.startswith("R") == register_a for operand in
+               (text.split(",")[1].strip() for text in dots))
+    # No layout conversion through shared memory and no global traffic inside the loop.
+    assert not [text for text in loop if text.split()[0].split(".")[0] in ("STS", "LDS", "LDSM", "LDG", "STG")]
+    if register_a:
+        assert sum(text.startswith("HMUL2.BF16") for text in loop) == 32 * len(dots) // 8  # the rebuild

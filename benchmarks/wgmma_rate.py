@@ -23,6 +23,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
@@ -69,8 +70,6 @@ def ns_per_instruction(n: int, register_a: bool, outstanding: int, programs_per_
     """Nanoseconds per ``HGMMA.64xNx16`` per SM: ``programs_per_sm`` programs on every SM,
     each running ``trips`` dots of ``DEPTH // 16`` instructions (CUDA events, mean of 5 launches
     after one warm-up)."""
-    import torch
-
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = sms * programs_per_sm
     a = torch.randn(ROWS.value, DEPTH.value, device="cuda", dtype=torch.bfloat16) * 1e-3
@@ -94,8 +93,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trips", type=int, default=4000)
     args = parser.parse_args(argv)
-    import torch
-
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; ns per HGMMA per SM (TFLOPS)")
     print("| left operand | dots in flight | N | P = 1 | P = 2 | P = 3 | P = 4 |")
     print("|---|---|---|---|---|---|---|")

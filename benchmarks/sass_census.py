@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 from coalesced_int4.kernels.w4a8 import _w4a8_kernel
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel
@@ -60,13 +61,15 @@ def cuobjdump(*args: str) -> str:
 
 
 def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1):
-    """``kernel`` compiled for sm_90 offline: ``pointers`` maps pointer arguments to Triton
-    types, ``constants`` the constexpr ones; every other argument is an int32, and pointers
-    and ``DIVISIBLE_BY_16`` arguments are specialized as a launch on model shapes does."""
+    """``kernel`` (Triton or Gluon) compiled for sm_90 offline: ``pointers`` maps pointer
+    arguments to Triton types, ``constants`` the constexpr ones; every other argument is an
+    int32, and pointers and ``DIVISIBLE_BY_16`` arguments are specialized as a launch on model
+    shapes does."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 

@@ -131,7 +131,6 @@ def test_state_dict_round_trips_through_torch_load_weights_only(weight):
     assert vars(loaded).keys() == vars(weight).keys()  # the pickled source hash is not kept
 
 
-
 def test_pickling_drops_the_unpicklable_caches_torch_drops(weight):
     # torch caches a wrapper subclass's custom sizes in PyCapsules in its __dict__ and clears
     # them from the dict it pickles; __getstate__ pickles a copy, so it must clear them too.

@@ -14,18 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Compiled apart from this process: the suite runs Triton's interpreter, which has no GPU target.
 LOOP = textwrap.dedent("""
-    import inspect, json, sys
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from sass_census import main_loop, sass_of
+    import json, sys
+    from sass_census import compile_for_sm90, main_loop, sass_of
     from wgmma_rate import wgmma_loop
-    constants = json.loads(sys.argv[1])
-    names = list(inspect.signature(wgmma_loop.fn).parameters)
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
-    source = GluonASTSource(wgmma_loop, signature, {(names.index(k),): v for k, v in constants.items()}, {})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = compile_for_sm90(wgmma_loop, pointers, json.loads(sys.argv[1]), warps=4)
     print(json.dumps(main_loop(sass_of(compiled)[0])))
 """)
 

@@ -8,13 +8,15 @@
 #                   family's up to 8) once per source tree in SWEEP_TREES (folders
 #                   holding coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH
 #                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
-#   profile         Nsight Compute counters of tuned launches
+#   profile         Nsight Compute counters of tuned launches (PROFILE_TILE, PROFILE_SPLIT: one
+#                   W4A16 config instead), with per-SASS-line stall samples (stall_lines.py)
+#   l2              L2 -> SM read bandwidth (l2_bandwidth.py)
 #   autotune        cold and warm tuning benchmark
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3)
 #   attention       decode attention against SDPA
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [autotune] [decode] [decode-profile] [attention]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [l2] [autotune] [decode] [decode-profile] [attention]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -68,15 +70,25 @@ for step in $steps; do
       # Tuned first without ncu (timings under ncu are not the real ones) into a fresh pick
       # cache, which the profiled run then restores instead of timing.
       picks=$(mktemp -d)
-      profile_args=(--shapes "${PROFILE_SHAPES:-8448x6656}" --ms "${MS:-1,4,16,64}")
+      # PROFILE_TILE / PROFILE_SPLIT: one W4A16 config at one split instead of the tuned picks.
+      profile_args=(--shapes "${PROFILE_SHAPES:-8448x6656}" --ms "${MS:-1,4,16,64}"
+                    ${PROFILE_TILE:+--tile $PROFILE_TILE --split ${PROFILE_SPLIT:-1}})
       COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" python benchmarks/profile_gemm.py \
         "${profile_args[@]}" > "$out/profile-picks.log" 2>&1
+      # The full set, per-line stall samples (SourceCounters) included; the report is read
+      # back as the details page and as per-SASS-line samples (profile-sass.csv), then dropped.
       COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx \
-        --nvtx-include "profile/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+        --nvtx-include "profile/" --set full --import-source no -o "$out/profile" \
         python benchmarks/profile_gemm.py "${profile_args[@]}" > "$out/profile.log" 2>&1
+      "$ncu" -i "$out/profile.ncu-rep" --page details >> "$out/profile.log" 2>&1
+      "$ncu" -i "$out/profile.ncu-rep" --page source --print-source sass --csv > "$out/profile-sass.csv" 2>&1
+      rm -f "$out/profile.ncu-rep"
       grep -E "^# profile|==ERROR==|_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible|Stall" \
-        "$out/profile.log" | head -80 ;;
+        "$out/profile.log" | head -80
+      python benchmarks/stall_lines.py "$out/profile-sass.csv" --top 12 | cut -c1-160 ;;
+    l2)
+      timeout "${L2_S:-120}" python benchmarks/l2_bandwidth.py > "$out/l2.log" 2>&1
+      grep -E "^\||^#|Error" "$out/l2.log" ;;
     autotune)
       timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py ${AUTOTUNE_BUCKETS:+--buckets $AUTOTUNE_BUCKETS} --json "$out/autotune.json" \
         > "$out/autotune.log" 2>&1

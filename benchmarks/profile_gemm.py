@@ -8,6 +8,10 @@ tuning. ``benchmarks/gpu_checks.sh profile`` runs it twice with one fresh pick c
 where every pick is restored from that cache instead of timed.
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" python benchmarks/profile_gemm.py
+
+``--tile BLOCK_N,BLOCK_K,WARPS,STAGES --split S`` (W4A16 buckets) skips the tuning and runs
+that config at that split, so that programs per SM can be set through the grid: N / BLOCK_N
+tiles times S programs, e.g. 8448 columns of 64 is one program on each of 132 SMs.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from typing import List, Optional
 import torch
 from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launch_params  # this script's folder is on sys.path
 
-from coalesced_int4.kernels import launch
+from coalesced_int4.kernels import W4A16_BUCKETS, launch
+from coalesced_int4.kernels.rules import kernel_config
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="8448x6656")
     parser.add_argument("--ms", default="1,4,16,64")
+    parser.add_argument("--tile", help="BLOCK_N,BLOCK_K,WARPS,STAGES of a W4A16 config to run untuned")
+    parser.add_argument("--split", type=int, default=1, help="split-K of the --tile config")
     args = parser.parse_args(argv)
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -33,14 +40,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in (int(v) for v in args.ms.split(",")):
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            params = tuned_launch_params(bucket, x, weights)
+            if args.tile:
+                if bucket not in W4A16_BUCKETS:
+                    parser.error(f"--tile sets a W4A16 config; M={m} runs bucket {bucket}")
+                block_n, block_k, warps, stages = (int(v) for v in args.tile.split(","))
+                params = {"split_k": args.split,
+                          "config": kernel_config(warps, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)}
+                launch(bucket, x, *weights, 32, **params)  # compiled outside the profiled range
+                described = f"split_k={args.split}, config {args.tile} (BLOCK_N,BLOCK_K,warps,stages)"
+            else:
+                params = tuned_launch_params(bucket, x, weights)
+                described = f"{params}, config {last_config(bucket)}"
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("profile")
             launch(bucket, x, *weights, 32, **params)
             torch.cuda.nvtx.range_pop()
             torch.cuda.synchronize()
-            print(f"# profile {n}x{k} M={m}: bucket {bucket}, {params}, "
-                  f"config {last_config(bucket)}", flush=True)
+            print(f"# profile {n}x{k} M={m}: bucket {bucket}, {described}", flush=True)
     return 0
 
 

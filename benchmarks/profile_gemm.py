@@ -32,22 +32,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default="8448x6656")
     parser.add_argument("--ms", default="1,4,16,64")
     parser.add_argument("--tile", help="BLOCK_N,BLOCK_K,WARPS,STAGES of a W4A16 config to run untuned")
-    parser.add_argument("--split", type=int, default=1, help="split-K of the --tile config")
+    parser.add_argument("--split", type=int, help="split-K of the --tile config (default 1)")
     args = parser.parse_args(argv)
+    if args.split is not None and not args.tile:
+        parser.error("--split applies to a --tile config; without --tile the split is tuned")
+    split = args.split or 1
+    tile = tuple(int(v) for v in args.tile.split(",")) if args.tile else None
+    if tile is not None and len(tile) != 4:
+        parser.error(f"--tile takes BLOCK_N,BLOCK_K,WARPS,STAGES, got {args.tile!r}")
+    ms = [int(v) for v in args.ms.split(",")]
+    if tile is not None and any(bucket_for(m) not in W4A16_BUCKETS for m in ms):
+        parser.error(f"--tile sets a W4A16 config (buckets {W4A16_BUCKETS}); --ms {args.ms} runs others")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         weights = random_int4_weights(n, k, copies=1)[0]
-        for m in (int(v) for v in args.ms.split(",")):
+        for m in ms:
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            if args.tile:
-                if bucket not in W4A16_BUCKETS:
-                    parser.error(f"--tile sets a W4A16 config; M={m} runs bucket {bucket}")
-                block_n, block_k, warps, stages = (int(v) for v in args.tile.split(","))
-                params = {"split_k": args.split,
+            if tile:
+                block_n, block_k, warps, stages = tile
+                params = {"split_k": split,
                           "config": kernel_config(warps, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)}
                 launch(bucket, x, *weights, 32, **params)  # compiled outside the profiled range
-                described = f"split_k={args.split}, config {args.tile} (BLOCK_N,BLOCK_K,warps,stages)"
+                described = f"split_k={split}, config {args.tile} (BLOCK_N,BLOCK_K,warps,stages)"
             else:
                 params = tuned_launch_params(bucket, x, weights)
                 described = f"{params}, config {last_config(bucket)}"

@@ -15,8 +15,8 @@ shortened by what Triton's pipeliner does not allow (docs/design.md, session 23)
 
 The decode is the shipped kernel's PTX (``w4a16._GROUP_BY_QUAD``, ``w4a16._DECODE_PAIR``), so
 the outputs are the shipped kernel's bits. It covers 64 weight rows x 128 K a trip, 4 warps,
-M = 64 only, and split-K through the shipped reduction. Launches are not dependent launches,
-which the shipped kernel's eager ones are (about 1 µs a call, docs/benchmarks.md session 14).
+M = 64 only, and split-K through the shipped reduction. It is launched as the shipped kernel
+is, with dependent launch where the GPU has it (``dependent_launch``).
 
     python benchmarks/gluon_w4a16.py --cases 4096x4096:4:3,14336x4096:1:3 --variants 00,10,11
 
@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from coalesced_int4.kernels import w4a16
+from coalesced_int4.kernels import dependent_launch, w4a16
 from coalesced_int4.kernels.split_k import _splitk_reduce_kernel, reduction_launch
 
 ROWS = 64
@@ -126,11 +126,21 @@ def _codes_of_stage(q_smem, stage, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _grid_dependency(instruction: gl.constexpr, DEPENDENT_LAUNCH: gl.constexpr):
+    """``griddepcontrol.wait`` or ``.launch_dependents`` (``dependent_launch``'s contract)."""
+    if DEPENDENT_LAUNCH:
+        gl.inline_asm_elementwise("griddepcontrol." + instruction + "; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def gluon_w4a16_kernel(x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr, N, K, stride_xm, stride_qn,
                        stride_cn, stride_sn, split_k, stride_os, stride_om, STAGES: gl.constexpr,
-                       PARTIAL: gl.constexpr, GROUPS_AHEAD: gl.constexpr, WORDS_AHEAD: gl.constexpr):
+                       PARTIAL: gl.constexpr, GROUPS_AHEAD: gl.constexpr, WORDS_AHEAD: gl.constexpr,
+                       DEPENDENT_LAUNCH: gl.constexpr):
     """Programs (N tiles of 64, split_k). STAGES: copy groups in the ring, issued STAGES - 1
     trips ahead. PARTIAL: fp32 partials [split_k, 64, N] for the shipped reduction."""
+    _grid_dependency("wait", DEPENDENT_LAUNCH)
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
     base = (K // 256) // split_k
@@ -182,6 +192,7 @@ def gluon_w4a16_kernel(x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr, N,
             words = _codes_of_stage(q_smem, (stage + 1) % STAGES, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
+    _grid_dependency("launch_dependents", DEPENDENT_LAUNCH)
     rows = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     columns = gl.arange(0, 64, layout=gl.SliceLayout(0, MMA))
     pointers = out_ptr + pid_s * stride_os + gl.expand_dims(columns, 0) * stride_om + gl.expand_dims(rows, 1)
@@ -207,7 +218,7 @@ def launch(x, qdata, scale, scale_step, zero_point, zero_point_step, *, split_k=
         x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),
         scale_codes.stride(0), scale_steps.stride(0), split_k, 0 if split_k == 1 else target.stride(0),
         target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
-        WORDS_AHEAD=words_ahead, num_warps=4)
+        WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x.device))
     if split_k > 1:
         grid, args, meta = reduction_launch(target, out, m)
         _splitk_reduce_kernel[grid](*args, **meta)

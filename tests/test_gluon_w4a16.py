@@ -27,7 +27,8 @@ LOOP = textwrap.dedent("""
 @pytest.mark.parametrize("groups_ahead, words_ahead", [(False, False), (True, False), (True, True)])
 def test_a_trip_is_one_fenced_dot_left_in_flight_with_no_shared_memory_layout_round_trip(groups_ahead,
                                                                                           words_ahead):
-    constants = {"STAGES": 3, "PARTIAL": False, "GROUPS_AHEAD": groups_ahead, "WORDS_AHEAD": words_ahead}
+    constants = {"STAGES": 3, "PARTIAL": False, "GROUPS_AHEAD": groups_ahead, "WORDS_AHEAD": words_ahead,
+                 "DEPENDENT_LAUNCH": True}
     child = run_compiling_python(LOOP, json.dumps(constants), path=(ROOT, os.path.join(ROOT, "benchmarks")))
     assert child.returncode == 0, child.stderr[-3000:]
     loop = [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]

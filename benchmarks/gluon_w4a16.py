@@ -20,7 +20,12 @@ is, with dependent launch where the GPU has it (``dependent_launch``).
 
     python benchmarks/gluon_w4a16.py --cases 4096x4096:4:3,14336x4096:1:3 --variants 00,10,11
 
-A case is NxK:split:stages; a variant is GROUPS_AHEAD and WORDS_AHEAD as two digits.
+A case is NxK:split:stages; a variant is GROUPS_AHEAD and WORDS_AHEAD as two digits. To see
+where a variant's warps wait, profile its first launch (the bits check, outside the timing's
+CUDA graphs) and summarize it with ``stall_lines.py``:
+
+    ncu --clock-control none -k regex:gluon_w4a16_kernel --launch-count 1 --set full -o gl \
+        python benchmarks/gluon_w4a16.py --variants 10 --cases 16896x4096:1:3
 ``tests/test_gluon_w4a16.py`` checks the loop's structure offline on sm_90 SASS.
 """
 

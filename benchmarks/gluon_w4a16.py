@@ -148,7 +148,7 @@ def gluon_w4a16_kernel(x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr, N,
     _grid_dependency("wait", DEPENDENT_LAUNCH)
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
-    base = (K // 256) // split_k
+    base = (K // 256) // split_k  # split_k.split_bounds, which Gluon cannot call (a Triton function)
     extra = (K // 256) % split_k
     first_trip = 2 * (pid_s * base + gl.minimum(pid_s, extra))
     last_trip = first_trip + 2 * (base + (pid_s < extra).to(gl.int32)) - 1

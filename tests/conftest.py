@@ -1,8 +1,10 @@
 """Shared test helpers. GPU tests use ``requires_cuda`` and skip cleanly without CUDA."""
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -31,6 +33,27 @@ def run_compiling_python(code: str, *args: str, path=()) -> subprocess.Completed
         env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                           timeout=600)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SM90_MAIN_LOOP = textwrap.dedent("""
+    import importlib, json, sys
+    from sass_census import compile_for_sm90, main_loop, sass_of
+    module, kernel, pointers, constants, warps = json.loads(sys.argv[1])
+    compiled = compile_for_sm90(getattr(importlib.import_module(module), kernel), pointers, constants, warps=warps)
+    print(json.dumps(main_loop(sass_of(compiled)[0])))
+""")
+
+
+def sm90_main_loop(module: str, kernel: str, pointers: dict, constants: dict, warps: int = 4):
+    """The main loop of ``benchmarks/<module>.py``'s ``kernel`` compiled offline for sm_90
+    (``sass_census.compile_for_sm90``, in a child process: this one runs the interpreter),
+    one instruction a line without its ``;`` and encoding."""
+    child = run_compiling_python(_SM90_MAIN_LOOP, json.dumps([module, kernel, pointers, constants, warps]),
+                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+    assert child.returncode == 0, child.stderr[-3000:]
+    return [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
 
 
 def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="cpu"):

@@ -2,26 +2,12 @@
 kernel. Its numbers mean that only if its loop is what it claims: checked offline on the sm_90
 SASS (Triton's bundled ptxas, no GPU needed)."""
 
-import json
-import os
-import textwrap
-
 import pytest
 
-from tests.conftest import run_compiling_python
+from tests.conftest import sm90_main_loop
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Compiled apart from this process: the suite runs Triton's interpreter, which has no GPU target.
-LOOP = textwrap.dedent("""
-    import json, sys
-    from sass_census import compile_for_sm90, main_loop, sass_of
-    from gluon_w4a16 import gluon_w4a16_kernel
-    pointers = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*i32", "ss_ptr": "*i16", "zc_ptr": "*i32",
-                "zs_ptr": "*i16", "out_ptr": "*bf16"}
-    compiled = compile_for_sm90(gluon_w4a16_kernel, pointers, json.loads(sys.argv[1]), warps=4)
-    print(json.dumps(main_loop(sass_of(compiled)[0])))
-""")
+POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*i32", "ss_ptr": "*i16", "zc_ptr": "*i32",
+            "zs_ptr": "*i16", "out_ptr": "*bf16"}
 
 
 @pytest.mark.parametrize("groups_ahead, words_ahead", [(False, False), (True, False), (True, True)])
@@ -29,9 +15,7 @@ def test_a_trip_is_one_fenced_dot_left_in_flight_with_no_shared_memory_layout_ro
                                                                                           words_ahead):
     constants = {"STAGES": 3, "PARTIAL": False, "GROUPS_AHEAD": groups_ahead, "WORDS_AHEAD": words_ahead,
                  "DEPENDENT_LAUNCH": True}
-    child = run_compiling_python(LOOP, json.dumps(constants), path=(ROOT, os.path.join(ROOT, "benchmarks")))
-    assert child.returncode == 0, child.stderr[-3000:]
-    loop = [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
+    loop = sm90_main_loop("gluon_w4a16", "gluon_w4a16_kernel", POINTERS, constants)
     dots = [i for i, text in enumerate(loop) if "GMMA" in text]
     # One 128-deep dot on the decoded weights in registers, behind a single fence.
     assert len(dots) == 8 and all(loop[i].startswith("HGMMA.64x64x16.F32.BF16 R") for i in dots)

@@ -9,9 +9,7 @@ import textwrap
 import pytest
 
 from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
-from tests.conftest import run_compiling_python
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, run_compiling_python
 
 # Run apart from this process: the suite imports the kernels under Triton's interpreter, which
 # cannot be compiled for a GPU target.

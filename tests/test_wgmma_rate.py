@@ -2,34 +2,17 @@
 Its numbers mean that only if its loop is that instruction and the operand's rebuild: checked
 offline on the sm_90 SASS (Triton's bundled ptxas, no GPU needed)."""
 
-import json
-import os
-import textwrap
-
 import pytest
 
-from tests.conftest import run_compiling_python
+from tests.conftest import sm90_main_loop
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Compiled apart from this process: the suite runs Triton's interpreter, which has no GPU target.
-LOOP = textwrap.dedent("""
-    import json, sys
-    from sass_census import compile_for_sm90, main_loop, sass_of
-    from wgmma_rate import wgmma_loop
-    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
-    compiled = compile_for_sm90(wgmma_loop, pointers, json.loads(sys.argv[1]), warps=4)
-    print(json.dumps(main_loop(sass_of(compiled)[0])))
-""")
+POINTERS = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
 
 
 @pytest.mark.parametrize("n", [16, 64, 256])
 @pytest.mark.parametrize("register_a", [True, False])
 def test_the_timed_loop_is_the_w4a16_dot_and_nothing_else(n, register_a):
-    child = run_compiling_python(LOOP, json.dumps({"N": n, "REGISTER_A": register_a, "OUTSTANDING": 1}),
-                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
-    assert child.returncode == 0, child.stderr[-3000:]
-    loop = [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
+    loop = sm90_main_loop("wgmma_rate", "wgmma_loop", POINTERS, {"N": n, "REGISTER_A": register_a, "OUTSTANDING": 1})
     dots = [text for text in loop if "GMMA" in text]
     # Whole 128-deep dots (the loop may be unrolled), each HGMMA.64xNx16 with the left operand
     # where the variant puts it: a register, or a shared-memory descriptor.

@@ -1,7 +1,9 @@
 """Bucket 64's W4A16 main loop written in Gluon, timed against the shipped Triton kernel.
 
-An experiment, not a kernel the library runs. It asks whether the shipped kernel's trip can be
-shortened by what Triton's pipeliner does not allow (docs/design.md, session 23):
+An experiment, not a kernel the library runs. It asked whether the shipped kernel's trip can be
+shortened by what Triton's pipeliner does not allow (docs/design.md, session 23). Timed on the
+H200 in session 24 (docs/benchmarks.md), no: its best variant, ``11``, gave the shipped bits at
+0.67-0.99x the shipped kernel's speed. What it tried:
 
 - **One fence and one whole 128-deep dot a trip, left in flight across the back-edge**
   (``warpgroup_mma_wait(1)``). The shipped kernel issues its dot in eight 16-deep pieces,

@@ -8,7 +8,7 @@ import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
-from coalesced_int4.kernels.rules import kernel_config
+from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, kernel_config
 from coalesced_int4.kernels.split_k import (
     REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds,
 )
@@ -245,7 +245,8 @@ def test_every_legal_split_matches_and_an_illegal_one_is_refused(bucket):
     packed, _ = packed_weight(64, 2048, seed=91, device=DEVICE)
     x = _x(bucket, 2048, seed=91)
     ref = dequant_matmul_reference(x, packed)
-    for split in (1, 2, 4, 8):
+    candidates = SPLIT_K_CANDIDATES if bucket in W4A8_BUCKETS else TILE_SPLIT_K_CANDIDATES
+    for split in (s for s in candidates if s <= 2048 // 256):
         assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=split), ref)
     with pytest.raises(InvalidLaunchParam, match="split_k=16 needs K >= 4096, got K=2048"):
         launch(bucket, x, *packed, 32, split_k=16)

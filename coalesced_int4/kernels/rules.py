@@ -27,8 +27,10 @@ PREQUANTIZE_CANDIDATES = (False, True)
 """Whether the W4A8 buckets' activations are quantized inside the GEMM, by every program
 (one launch), or once by a kernel of their own (a second launch, and a GEMM main loop about
 40 % shorter at M = 4): timed with the split-K."""
-TILE_SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16, 32)
-"""Split-K values timed for the W4A16 buckets (narrow N keeps gaining from more splits)."""
+TILE_SPLIT_K_CANDIDATES = (1, 2, 3, 4, 5, 8, 16, 32)
+"""Split-K values timed for the W4A16 buckets: the reference's powers of two (narrow N keeps
+gaining from more splits), and 3 and 5, which spread N = 6656's 104 tiles of 64 rows more
+evenly over an H100/H200's 132 SMs than any power of two (docs/design.md, "Split-K")."""
 
 CODE_WORD = torch.int32
 """The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of

@@ -39,12 +39,17 @@ def kernels(text: str) -> List[Tuple[str, List[Dict[str, str]]]]:
     return [(name, list(csv.DictReader(lines))) for name, lines in result]
 
 
+def samples(line: Dict[str, str]) -> int:
+    """All of a line's warp-state samples (an empty cell is none)."""
+    return int(line[SAMPLES] or 0)
+
+
 def reasons(line: Dict[str, str]) -> Counter:
     """A line's samples by stall reason (issued samples under ``selected``), with the samples
     no listed reason covers under ``unlisted``."""
     counts = Counter({column[len(REASON_PREFIX):]: int(value or 0) for column, value in line.items()
                       if column.startswith(REASON_PREFIX) and "Not Issued" not in column})
-    counts["unlisted"] = int(line[SAMPLES] or 0) - sum(counts.values())
+    counts["unlisted"] = samples(line) - sum(counts.values())
     return +counts
 
 
@@ -64,15 +69,15 @@ def main_loop(lines: List[Dict[str, str]]) -> range:
 
 def summary(name: str, lines: List[Dict[str, str]], top: int) -> List[str]:
     loop = main_loop(lines)
-    total = sum(int(line[SAMPLES] or 0) for line in lines)
+    total = sum(samples(line) for line in lines)
     in_loop = sum((reasons(lines[i]) for i in loop), Counter())
     out = [f"# {name}: main loop = lines {loop.start}-{loop.stop - 1} ({len(loop)} instructions), "
            f"{sum(in_loop.values())} of {total} samples",
            "# loop samples by reason: " + ", ".join(f"{reason} {count}" for reason, count in in_loop.most_common())]
-    ranked = sorted(loop, key=lambda i: int(lines[i][SAMPLES] or 0), reverse=True)[:top]
+    ranked = sorted(loop, key=lambda i: samples(lines[i]), reverse=True)[:top]
     for index in sorted(ranked):
         leading = ", ".join(f"{reason} {count}" for reason, count in reasons(lines[index]).most_common(3))
-        out.append(f"{index:5d} {int(lines[index][SAMPLES] or 0):6d}  {lines[index]['Source'].strip()[:64]:64s}  {leading}")
+        out.append(f"{index:5d} {samples(lines[index]):6d}  {lines[index]['Source'].strip()[:64]:64s}  {leading}")
     return out
 
 

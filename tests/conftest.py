@@ -36,6 +36,9 @@ def run_compiling_python(code: str, *args: str, path=()) -> subprocess.Completed
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+"""The benchmark scripts' folder: tests of a script put it on ``sys.path`` (the scripts import
+each other by module name, as they do when run from there)."""
 
 _SM90_MAIN_LOOP = textwrap.dedent("""
     import importlib, json, sys
@@ -51,7 +54,7 @@ def sm90_main_loop(module: str, kernel: str, pointers: dict, constants: dict, wa
     (``sass_census.compile_for_sm90``, in a child process: this one runs the interpreter),
     one instruction a line without its ``;`` and encoding."""
     child = run_compiling_python(_SM90_MAIN_LOOP, json.dumps([module, kernel, pointers, constants, warps]),
-                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+                                 path=(ROOT, BENCHMARKS))
     assert child.returncode == 0, child.stderr[-3000:]
     return [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
 

@@ -242,11 +242,12 @@ def test_w4a16_sampled_configs_match():
 
 @pytest.mark.parametrize("bucket", [1, 3, 8, 32])
 def test_every_legal_split_matches_and_an_illegal_one_is_refused(bucket):
-    packed, _ = packed_weight(64, 2048, seed=91, device=DEVICE)
-    x = _x(bucket, 2048, seed=91)
+    k = 2048
+    packed, _ = packed_weight(64, k, seed=91, device=DEVICE)
+    x = _x(bucket, k, seed=91)
     ref = dequant_matmul_reference(x, packed)
     candidates = SPLIT_K_CANDIDATES if bucket in W4A8_BUCKETS else TILE_SPLIT_K_CANDIDATES
-    for split in (s for s in candidates if s <= 2048 // 256):
+    for split in (s for s in candidates if s <= k // 256):
         assert_close_to_reference(launch(bucket, x, *packed, 32, split_k=split), ref)
     with pytest.raises(InvalidLaunchParam, match="split_k=16 needs K >= 4096, got K=2048"):
         launch(bucket, x, *packed, 32, split_k=16)

@@ -3,12 +3,13 @@ only if its kernel reads each tile it counts and nothing is folded away: checked
 interpreter against the same tiles xor-ed in torch."""
 
 import functools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from tests.conftest import BENCHMARKS
+
+sys.path.insert(0, BENCHMARKS)
 from l2_bandwidth import ROWS, TILE_WORDS, l2_read  # noqa: E402
 
 

@@ -3,13 +3,12 @@ for sm_90 with Triton's bundled ptxas, no GPU needed, and reads its occupancy an
 the numbers design.md's kernel decisions quote before any device time is spent."""
 
 import json
-import os
 import textwrap
 
 import pytest
 
 from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
-from tests.conftest import ROOT, run_compiling_python
+from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
 
 # Run apart from this process: the suite imports the kernels under Triton's interpreter, which
 # cannot be compiled for a GPU target.
@@ -26,7 +25,7 @@ CENSUS = textwrap.dedent("""
 
 def _census(family, constants, warps):
     child = run_compiling_python(CENSUS, json.dumps([family, constants, warps]),
-                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+                                 path=(ROOT, BENCHMARKS))
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
@@ -123,7 +122,7 @@ GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.global", "red.glo
 
 def _dependent_launch_ptx(dependent: bool) -> dict:
     child = run_compiling_python(DEPENDENT_LAUNCH_PTX, json.dumps(dependent),
-                                 path=(ROOT, os.path.join(ROOT, "benchmarks")))
+                                 path=(ROOT, BENCHMARKS))
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 

@@ -1,10 +1,11 @@
 """``benchmarks/stall_lines.py`` reads Nsight Compute's per-SASS-line CSV: every kernel of the
 report, its main loop as the run of most executed lines, and every sample under one reason."""
 
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from tests.conftest import BENCHMARKS
+
+sys.path.insert(0, BENCHMARKS)
 from stall_lines import kernels, main_loop, reasons, summary  # noqa: E402
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'

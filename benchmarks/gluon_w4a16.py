@@ -237,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from coalesced_int4.kernels import launch as shipped_launch
     from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
-    from coalesced_int4.kernels.rules import kernel_config
+    from coalesced_int4.kernels.rules import w4a16_configs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="4096x4096:4:3,14336x4096:1:3,6656x4096:2:3,8448x6656:4:3")
@@ -253,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         split, stages = int(split), int(stages)
         copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
         x = torch.randn(ROWS, k, dtype=torch.bfloat16, device="cuda")
-        config = kernel_config(4, BLOCK_N=ROWS, BLOCK_K=DEPTH, STAGES=stages)
+        config = w4a16_configs(ROWS, DEPTH, 4, stages)[0]
         shipped = shipped_launch(64, x, *copies[0], 32, split_k=split, config=config)
         shipped_us = time_back_to_back_us(
             [lambda c=c: shipped_launch(64, x, *c, 32, split_k=split, config=config) for c in copies])

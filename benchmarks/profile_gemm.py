@@ -24,7 +24,7 @@ import torch
 from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launch_params  # this script's folder is on sys.path
 
 from coalesced_int4.kernels import W4A16_BUCKETS, launch
-from coalesced_int4.kernels.rules import kernel_config
+from coalesced_int4.kernels.rules import w4a16_configs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if tile:
                 block_n, block_k, warps, stages = tile
                 params = {"split_k": split,
-                          "config": kernel_config(warps, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)}
+                          "config": w4a16_configs(block_n, block_k, warps, stages)[0]}
                 launch(bucket, x, *weights, 32, **params)  # compiled outside the profiled range
                 described = f"split_k={split}, config {args.tile} (BLOCK_N,BLOCK_K,warps,stages)"
             else:

@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
+from coalesced_int4.kernels.rules import W4A16_TMA_STAGES
 from coalesced_int4.kernels.w4a8 import _w4a8_kernel
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel
 
@@ -136,7 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.family == "w4a8":
         constants.update(GROUPS=args.groups, PREFETCH=args.prefetch)
     else:
-        constants.update(BLOCK_K=args.block_k, BATCH_ROWS=args.batch_rows or args.bucket)
+        constants.update(BLOCK_K=args.block_k, BATCH_ROWS=args.batch_rows or args.bucket,
+                         TMA_ACTIVATIONS=args.stages in W4A16_TMA_STAGES)
     result = census(args.family, constants, args.warps, args.prequantized)
     limits = ", ".join(f"{count} by {limit}" for limit, count in result.programs_by.items())
     print(f"{args.family} {constants} warps {args.warps}{' prequantized' if args.prequantized else ''}: "

@@ -27,7 +27,7 @@ from bench_gemm import bucket_for, last_config, random_int4_weights, tuned_launc
 from coalesced_int4.kernels import check_split_k, launch
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.rules import (PREQUANTIZE_CANDIDATES, SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES,
-                                          W4A8_BUCKETS, kernel_config)
+                                          W4A8_BUCKETS, W4A16_TMA_STAGES, kernel_config)
 
 GRIDS = {
     # BLOCK_N x GROUPS x warps x stages x prefetch. The wide tiles (BLOCK_N 64-128) share each
@@ -40,8 +40,8 @@ GRIDS = {
                              (16, 32, 8), (32, 16, 4), (32, 32, 8), (64, 16, 4), (64, 16, 8), (128, 8, 8),
                              (16, 64, 8), (32, 64, 8))
              for s in (1, 2) for p in (False, True)],
-    # BLOCK_N x BLOCK_K x warps x stages
-    "w4a16": [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, STAGES=s)
+    # BLOCK_N x BLOCK_K x warps x stages (activations by TMA at the depths the space uses it)
+    "w4a16": [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, STAGES=s, TMA_ACTIVATIONS=s in W4A16_TMA_STAGES)
               for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)) for k in (128, 256)
               for s in (2, 3)],
 }

@@ -1,7 +1,8 @@
 """Quantized models compiled, exported, packaged and captured (GPU; skipped without CUDA):
 torch.compile of the decoder for decode and prefill, dynamic M, a prequantized launch compiled
 into CUDA graphs, an AOTInductor package loaded
-in a fresh process, CUDA-graph replay, and a KV-cache decode that gives the same tokens eager
+in a fresh process, each of bucket 64's activation load paths compiled, packaged and captured,
+CUDA-graph replay, and a KV-cache decode that gives the same tokens eager
 and compiled."""
 
 import subprocess
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 
 import coalesced_int4 as ci4
 from coalesced_int4.decoder import DEMO, build_decoder, decode_step, generate
-from coalesced_int4.kernels import autotune_launch_params, clear_launch_param_cache
+from coalesced_int4.kernels import autotune_launch_params, clear_launch_param_cache, int4_autotune_configs, int4_gemm
 from coalesced_int4.kernels.autotune import launch_params
+from coalesced_int4.kernels.autotune.tuner import single_config
 from tests.conftest import requires_cuda
 
 pytestmark = requires_cuda
@@ -126,26 +128,73 @@ def _run_package_in_a_fresh_process(model, x, directory):
     return child, directory / "y.pt"
 
 
+def _packaged_output(model, x, tmp_path):
+    """``model(x)`` run from an AOTInductor package in a fresh process. Skips where this
+    machine's AOTInductor cannot run even a plain bf16 package of the same shapes."""
+    (tmp_path / "int4").mkdir()
+    child, output = _run_package_in_a_fresh_process(model, x, tmp_path / "int4")
+    if child.returncode != 0:
+        # Tell our failure from the platform's.
+        (tmp_path / "bf16").mkdir()
+        plain = torch.nn.Linear(x.shape[-1], 8, bias=False).to(torch.bfloat16).cuda()
+        plain_child, _ = _run_package_in_a_fresh_process(plain, x, tmp_path / "bf16")
+        if plain_child.returncode != 0:
+            pytest.skip("this machine's AOTInductor cannot load even a plain bf16 package in a fresh "
+                        f"process (exit {plain_child.returncode}): {plain_child.stderr[-600:]}")
+    assert child.returncode == 0, child.stderr[-4000:]
+    loaded = torch.load(output)
+    return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
+
+
 def test_an_aoti_package_runs_in_a_fresh_process(tmp_path):
     model = _Mlp().to(torch.bfloat16).cuda()
     ci4.quantize_(model, ci4.int4_config())
     x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda")
     program = torch.export.export(model, (x,))
     assert sum("int4_quantized_gemm_m4" in str(n.target) for n in program.graph.nodes) == 2
-    (tmp_path / "int4").mkdir()
-    child, output = _run_package_in_a_fresh_process(model, x, tmp_path / "int4")
-    if child.returncode != 0:
-        # Tell our failure from the platform's: a plain bf16 package of the same model.
-        (tmp_path / "bf16").mkdir()
-        plain, _ = _run_package_in_a_fresh_process(_Mlp().to(torch.bfloat16).cuda(), x, tmp_path / "bf16")
-        if plain.returncode != 0:
-            pytest.skip("this machine's AOTInductor cannot load even a plain bf16 package in a fresh "
-                        f"process (exit {plain.returncode}): {plain.stderr[-600:]}")
-    assert child.returncode == 0, child.stderr[-4000:]
-    loaded = torch.load(output)
-    loaded = loaded[0] if isinstance(loaded, (list, tuple)) else loaded
+    loaded = _packaged_output(model, x, tmp_path)
     with torch.no_grad():
         assert _rel(loaded, model(x)) < 0.01
+
+
+W4A16_LOAD_PATHS = [c for c in int4_autotune_configs(64) if c.kwargs["BLOCK_N"] == 64 and c.kwargs["BLOCK_K"] == 128]
+"""Bucket 64's (64, 128, 4) configs: activations by pointer copies (three stages), by TMA (two),
+and by TMA under a register cap."""
+
+
+@pytest.fixture(params=W4A16_LOAD_PATHS, ids=str)
+def w4a16_load_path(request, monkeypatch):
+    """Bucket 64 runs one of ``W4A16_LOAD_PATHS`` alone, eager and traced."""
+    kernels = int4_gemm.BUCKET_KERNELS
+    monkeypatch.setitem(kernels, 64, single_config(kernels[64], request.param))
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(1024, 512, bias=False).to(torch.bfloat16).cuda()
+    ci4.quantize_(linear, ci4.int4_config())
+    return linear, torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+
+
+def test_each_w4a16_load_path_gives_eager_bits_compiled_and_captured(w4a16_load_path):
+    """The TMA configs make their descriptors in global scratch: eager launches allocate it
+    themselves (``scratch.with_scratch``), Inductor's launcher sets its own allocator, and a
+    CUDA graph captures the scratch from its pool. No allocator is set here."""
+    linear, x = w4a16_load_path
+    with torch.no_grad():
+        eager = linear(x)
+        compiled = torch.compile(linear, fullgraph=True)(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = linear(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(compiled, eager)
+    assert torch.equal(captured, eager)
+
+
+def test_each_w4a16_load_path_runs_from_an_aoti_package(w4a16_load_path, tmp_path):
+    """AOTInductor's generated code allocates the descriptors' scratch itself."""
+    linear, x = w4a16_load_path
+    with torch.no_grad():
+        assert torch.equal(_packaged_output(linear, x, tmp_path), linear(x))
 
 
 def test_cuda_graph_replay_of_a_warmed_up_model_is_bit_identical():

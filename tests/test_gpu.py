@@ -264,6 +264,25 @@ def test_w4a16_production_ops_with_n_tails():
             _close16(INT4_QUANTIZED_GEMM.op(bucket)(x, *packed, 32), dequant_matmul_reference(x, packed))
 
 
+@pytest.mark.parametrize("k", [1536, 4096])
+def test_w4a16_tma_configs_give_the_pointer_copies_bits_however_many_programs_share_an_sm(k):
+    """Each TMA config against its tile's pointer-copy config, three launches each, from one
+    program an SM (split 1) to five (split 5, the register-capped config), at 64 and 48
+    activation rows. Three-stage TMA, which the space leaves out, differed here in 51 of 315
+    launches on the H200, wherever three programs shared an SM at 64 rows (session 25)."""
+    packed = _packed(8192, k, seed=k)
+    configs = int4_autotune_configs(64)
+    for m in (64, 40):
+        x = _x(m, k)
+        for split in (1, 2, 3, 4, 5):
+            for tma in (c for c in configs if c.kwargs["TMA_ACTIVATIONS"]):
+                pointers = next(c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]
+                                and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (tma.kwargs["BLOCK_N"], tma.kwargs["BLOCK_K"]))
+                expected = launch(64, x, *packed, 32, split_k=split, config=pointers)
+                for _ in range(3):
+                    assert torch.equal(launch(64, x, *packed, 32, split_k=split, config=tma), expected), (m, split, tma)
+
+
 def test_w4a16_split_replay_is_deterministic():
     packed = _packed(257, 6656, seed=3)
     x = _x(64, 6656)

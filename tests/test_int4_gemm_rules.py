@@ -24,7 +24,9 @@ from coalesced_int4.kernels.rules import (
     W4A8_PREFETCH,
     W4A8_STAGES,
     W4A8_TILES,
+    W4A16_REGISTER_CAPS,
     W4A16_STAGES,
+    W4A16_TMA_STAGES,
     W4A16_TILES,
     w4a16_batch_rows,
 )
@@ -101,6 +103,17 @@ def test_each_rule_is_reported_and_never_raised_by_supports(rule):
     args = _args()
     mutate(args)
     _expect_unsupported(1, args, pattern)
+
+
+def test_w4a16_buckets_refuse_an_activation_off_a_16_byte_boundary():
+    args = _args(m=4)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args[0] = torch.empty(4 * 512 + 4, dtype=torch.bfloat16, device="cuda").as_strided((4, 512), (512, 1), 4)
+    _expect_unsupported(8, args, "activation must start on a 16-byte boundary .*, got storage offset 4")
+    assert INT4_QUANTIZED_GEMM.supports(4, *args)  # the W4A8 kernels read it by pointers
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args[0] = torch.empty(4 * 512 + 8, dtype=torch.bfloat16, device="cuda").as_strided((4, 512), (512, 1), 8)
+    assert INT4_QUANTIZED_GEMM.supports(8, *args)
 
 
 def test_k_must_be_a_multiple_of_256():
@@ -196,13 +209,16 @@ def test_w4a16_multiplies_48_rows_only_for_a_static_m_of_at_most_48_at_bucket_64
         assert {w4a16_batch_rows(bucket, m) for m in range(bucket // 2 + 1, bucket + 1)} == {bucket}
 
 
-def test_w4a16_config_space():
+def test_w4a16_config_space_copies_activations_by_tma_only_at_its_stages_and_caps_registers_once():
     for bucket in (8, 16, 32, 64):
         configs = int4_autotune_configs(bucket)
-        seen = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["STAGES"], c.num_stages)
-                for c in configs}
-        assert seen == {(n, k, w, s, s) for n, k, w in W4A16_TILES for s in W4A16_STAGES}
-        assert len(configs) == len(W4A16_TILES) * len(W4A16_STAGES)
+        seen = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["STAGES"], c.num_stages,
+                 c.kwargs["TMA_ACTIVATIONS"], c.maxnreg) for c in configs]
+        uncapped = [(n, k, w, s, s, s in W4A16_TMA_STAGES, None) for n, k, w in W4A16_TILES for s in W4A16_STAGES]
+        capped = [(*tile, tile[-1], tile[-1] in W4A16_TMA_STAGES, cap) for tile, cap in W4A16_REGISTER_CAPS.items()]
+        assert sorted(seen, key=str) == sorted(uncapped + capped, key=str)
+        # Three-stage TMA gave wrong tiles on the H200 (W4A16_TMA_STAGES): never in the space.
+        assert not any(c.kwargs["TMA_ACTIVATIONS"] for c in configs if c.kwargs["STAGES"] >= 3)
     with pytest.raises(ValueError, match="no autotune space for bucket 5"):
         int4_autotune_configs(5)
 

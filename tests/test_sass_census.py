@@ -34,7 +34,7 @@ def _census(family, constants, warps):
     ("w4a8", {"PARTIAL": False, "BUCKET": 1, "BLOCK_N": 16, "GROUPS": 32, "STAGES": 2, "PREFETCH": False,
               "INTERPRET": False}, 4, "IDP.4A"),
     ("w4a16", {"PARTIAL": False, "BUCKET": 64, "BATCH_ROWS": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 3,
-               "INTERPRET": False},
+               "TMA_ACTIVATIONS": False, "INTERPRET": False},
      4, "HGMMA"),
 ])
 def test_the_census_finds_the_k_loop_and_the_occupancy_limits(family, constants, warps, loop_opcode):
@@ -58,7 +58,7 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     4 conversions and 8 shuffles a thread and trip here, where each lane converting every
     group of its rows took 16 conversions, and the lane id is read once, before the loop."""
     result = _census("w4a16", {"PARTIAL": False, "BUCKET": bucket, "BATCH_ROWS": bucket, "BLOCK_N": 64,
-                               "BLOCK_K": 128, "STAGES": 2, "INTERPRET": False}, 4)
+                               "BLOCK_K": 128, "STAGES": 2, "TMA_ACTIVATIONS": True, "INTERPRET": False}, 4)
     loop = result["main_loop"]
     assert any(text.startswith("LDG.E ") for text in loop)  # the next trip's code words
     assert not any(text.startswith("STS") for text in loop)
@@ -80,7 +80,8 @@ def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
     pipelines across trips in 16-wide pieces of K, each behind its own fence. Bucket 64 at
     48 rows runs two dots on the same decoded weights (32 and 16 rows), both left whole."""
     loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
-                             "BLOCK_K": 128, "STAGES": 3, "INTERPRET": False}, 4)["main_loop"]
+                             "BLOCK_K": 128, "STAGES": 3, "TMA_ACTIVATIONS": False, "INTERPRET": False},
+                    4)["main_loop"]
     fences = sum(text.startswith("WARPGROUP.ARRIVE") for text in loop)
     full_waits = sum(text.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for text in loop)
     rows_per_dot = (bucket,) if batch_rows == bucket else (bucket // 2, bucket // 4)
@@ -104,8 +105,11 @@ DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
     dependent = json.loads(sys.argv[1])
     kernels = {
         "w4a16": (_w4a16_kernel, {**POINTERS, **CODE_WORDS},
-                  dict(PARTIAL=False, BUCKET=16, BATCH_ROWS=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
-                       INTERPRET=False)),
+                  dict(PARTIAL=False, BUCKET=16, BATCH_ROWS=16, BLOCK_N=64, BLOCK_K=128, STAGES=3,
+                       TMA_ACTIVATIONS=False, INTERPRET=False)),
+        "w4a16 (TMA)": (_w4a16_kernel, {**POINTERS, **CODE_WORDS},
+                        dict(PARTIAL=False, BUCKET=16, BATCH_ROWS=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
+                             TMA_ACTIVATIONS=True, INTERPRET=False)),
         "w4a8": (_w4a8_kernel, POINTERS,
                  dict(PARTIAL=False, BUCKET=4, BLOCK_N=16, GROUPS=32, STAGES=2, PREFETCH=False, INTERPRET=False)),
         "quantize": (_quantize_kernel, {"x_ptr": "*bf16", "out_ptr": "*i32"}, dict(GROUPS=16, INTERPRET=False)),
@@ -117,7 +121,9 @@ DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
            for name, (kernel, pointers, constants) in kernels.items()}
     print(json.dumps(ptx))
 """)
-GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
+GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.global", "red.global", "tensormap.cp_fenceproxy.global")
+"""PTX that reads or writes global memory: loads, stores, copies (cp.async.bulk.tensor is
+TMA), atomics, and the copy of a descriptor made on the device into its global scratch."""
 
 
 def _dependent_launch_ptx(dependent: bool) -> dict:

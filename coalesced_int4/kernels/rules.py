@@ -37,6 +37,10 @@ CODE_WORD = torch.int32
 this dtype: each row holds whole words since K % 256 == 0, and each tensor must start on a
 word."""
 
+TMA_ALIGNMENT = 16
+"""Bytes: the tensor memory accelerator reads a tensor that starts on this boundary (its rows,
+K bf16 with K % 256 == 0, always do)."""
+
 _ALLOWED_DTYPES = (
     ("activation", 0, (torch.bfloat16,)),
     ("qdata", 1, (torch.uint8, torch.int8)),
@@ -85,6 +89,9 @@ def unsupported_reason(
         if t.storage_offset() % CODE_WORD.itemsize:
             return (f"{name} must start on a {CODE_WORD.itemsize}-byte boundary (the kernels read it as "
                     f"{str(CODE_WORD).removeprefix('torch.')} words), got storage offset {t.storage_offset()}")
+    if bucket in W4A16_BUCKETS and x.storage_offset() % (TMA_ALIGNMENT // x.element_size()):
+        return (f"activation must start on a {TMA_ALIGNMENT}-byte boundary (the W4A16 kernels copy its "
+                f"tiles by TMA), got storage offset {x.storage_offset()}")
     if not (x.is_cuda or is_fake(x)):
         return "activation must be on a CUDA device (or fake while tracing)"
     if any(t.device != x.device for t in tensors[1:]):
@@ -123,6 +130,18 @@ sweep of six on the H200 at M = 8, 16 and 64 (docs/benchmarks.md); the half-supe
 halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8448x6656
 (28.4 and 34.6 us against 32.2 and 40.8)."""
 W4A16_STAGES = (2, 3)
+W4A16_TMA_STAGES = (2,)
+"""The depths at which the W4A16 kernel copies its activation tile by TMA (``TMA_ACTIVATIONS``)
+rather than by pointers. At two stages that was as fast as the pointer copies or faster in 13
+of 14 cells timed on the H200 (docs/benchmarks.md, session 24), with the same bits. At three,
+the descriptor's barriers take the (64, 128, 4) program 24 bytes past a quarter of the SM's
+shared memory (three programs an SM, not four), and Triton 3.6's pipeline produced wrong tiles
+wherever a program ran a multiple of three trips (docs/design.md, "Activations by TMA")."""
+W4A16_REGISTER_CAPS = {(64, 128, 4, 2): 96}
+"""(BLOCK_N, BLOCK_K, num_warps, stages) -> a register cap (``maxnreg``) that the config is
+also tried with. Copying activations by TMA leaves the (64, 128, 4) two-stage program 107
+registers; capped at 96 it fits five programs an SM instead of four, which puts
+39936x6656's 624 tiles in one wave (124 against 141 µs at M = 64, session 24)."""
 
 
 def w4a16_batch_rows(bucket: int, m) -> int:
@@ -142,17 +161,26 @@ def w4a16_batch_rows(bucket: int, m) -> int:
     return bucket
 
 
-def kernel_config(num_warps: int, **meta) -> triton.Config:
+def kernel_config(num_warps: int, maxnreg: Optional[int] = None, **meta) -> triton.Config:
     """A kernel config whose compile-time pipeline depth (``num_stages``) is its ``STAGES``,
-    the depth its main loop is written for."""
-    return triton.Config(meta, num_warps=num_warps, num_stages=meta["STAGES"])
+    the depth its main loop is written for; ``maxnreg`` caps its registers a thread."""
+    return triton.Config(meta, num_warps=num_warps, num_stages=meta["STAGES"], maxnreg=maxnreg)
+
+
+def w4a16_configs(block_n: int, block_k: int, num_warps: int, stages: int) -> List[triton.Config]:
+    """The W4A16 configs of one tile and depth: activations by TMA where
+    ``W4A16_TMA_STAGES`` says, and again with its register cap if it has one."""
+    meta = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_ACTIVATIONS=stages in W4A16_TMA_STAGES)
+    cap = W4A16_REGISTER_CAPS.get((block_n, block_k, num_warps, stages))
+    return [kernel_config(num_warps, **meta)] + ([kernel_config(num_warps, maxnreg=cap, **meta)] if cap else [])
 
 
 def int4_autotune_configs(bucket: int) -> List[triton.Config]:
     """The autotune space of a bucket. W4A8: every tile of ``W4A8_TILES`` x stages x
     prefetch.
     W4A16: one tile holds every activation row the kernel multiplies (``w4a16_batch_rows``),
-    so the weights are decoded once, x every tile of ``W4A16_TILES`` x stages."""
+    so the weights are decoded once, x every tile of ``W4A16_TILES`` x stages
+    (``w4a16_configs``)."""
     if bucket in W4A8_BUCKETS:
         return [
             kernel_config(w, BLOCK_N=n, GROUPS=g, STAGES=s, PREFETCH=p)
@@ -161,11 +189,7 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
             for p in W4A8_PREFETCH
         ]
     if bucket in W4A16_BUCKETS:
-        return [
-            kernel_config(w, BLOCK_N=n, BLOCK_K=k, STAGES=s)
-            for n, k, w in W4A16_TILES
-            for s in W4A16_STAGES
-        ]
+        return [config for n, k, w in W4A16_TILES for s in W4A16_STAGES for config in w4a16_configs(n, k, w, s)]
     raise ValueError(f"no autotune space for bucket {bucket}; buckets are {SUPPORTED_BUCKETS}")
 
 

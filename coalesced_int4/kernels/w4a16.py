@@ -37,6 +37,7 @@ import triton.language as tl
 from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD, w4a16_batch_rows
+from coalesced_int4.kernels.scratch import with_scratch
 from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
@@ -267,6 +268,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    TMA_ACTIVATIONS: tl.constexpr,
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
@@ -282,6 +284,11 @@ def _w4a16_kernel(
     per program. BLOCK_K: weights of K per main-loop trip, a super-block (256) or half of one
     (128: half the shared memory per pipeline stage and half the decoded tile's registers,
     for more programs per SM at large buckets). STAGES: software-pipelining depth over trips.
+    TMA_ACTIVATIONS: the head dot's activation tile is copied by the tensor memory
+    accelerator from a tensor descriptor made here (rows >= M arrive as zeros) instead of by
+    per-thread pointer copies: one copy instruction a trip for eight, and about 20 fewer
+    registers (``rules.W4A16_TMA_STAGES`` says where it is used). The descriptor is written
+    to global scratch that the launch allocates (``scratch.with_scratch``).
     INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
     interpreter computes bf16 math on raw bits. PARTIAL: write fp32 partials
     [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH: launched
@@ -315,6 +322,9 @@ def _w4a16_kernel(
     meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, first_trip, BLOCK_K)
     selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
     last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
+    if TMA_ACTIVATIONS:
+        head_tiles = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                               block_shape=[HEAD_ROWS, BLOCK_K])
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
         if HEAD_ROWS <= WAITED_DOT_MAX_ROWS:
             acc = _completed(acc, INTERPRET)
@@ -327,7 +337,11 @@ def _w4a16_kernel(
                           tl.minimum(trip + 1, last_trip), BLOCK_K)
         groups = _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET)
         w = _decode(words, groups, INTERPRET)
-        acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, head_rows, stride_xm, k0, columns)), INTERPRET)
+        if TMA_ACTIVATIONS:
+            head = head_tiles.load([0, k0])
+        else:
+            head = _activation_tile(x_ptr, head_rows, stride_xm, k0, columns)
+        acc += bf16_dot(w, tl.trans(head), INTERPRET)
         if TAIL_ROWS > 0:
             tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
@@ -339,12 +353,13 @@ def _w4a16_kernel(
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
-    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives."""
+    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives, with global
+    scratch for the configs that make tensor descriptors."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     words = (qdata.view(CODE_WORD), scale.view(CODE_WORD), scale_step, zero_point.view(CODE_WORD), zero_point_step)
     m = x.shape[0]
-    return launch_split_k_gemm(
+    return with_scratch(x.device, lambda: launch_split_k_gemm(
         kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,
         constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
-    )
+    ))

@@ -96,7 +96,7 @@ def _text(key: Any) -> str:
 
 def config_to_json(config: triton.Config) -> dict:
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps,
-            "num_stages": config.num_stages}
+            "num_stages": config.num_stages, "maxnreg": config.maxnreg}
 
 
 def matching_config(configs, stored: dict) -> Optional[triton.Config]:

@@ -72,9 +72,11 @@ def tuned_launch_params(bucket, x, weights) -> dict:
 
 
 def last_config(bucket) -> str:
-    """The tile config of the bucket's last launch, e.g. ``BLOCK_N=16 GROUPS=32 ... warps=4``."""
+    """The tile config of the bucket's last launch, e.g. ``BLOCK_N=16 GROUPS=32 ... warps=4``,
+    and its register cap where it has one."""
     config = BUCKET_KERNELS[bucket].best_config
-    return " ".join(f"{key}={value}" for key, value in config.kwargs.items()) + f" warps={config.num_warps}"
+    cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
+    return " ".join(f"{key}={value}" for key, value in config.kwargs.items()) + f" warps={config.num_warps}{cap}"
 
 
 def bench_ours(n, k, ms, results):

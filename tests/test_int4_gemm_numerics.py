@@ -231,6 +231,23 @@ def test_w4a16_decode_is_exact_at_the_extremes_of_codes_and_steps(bucket):
     _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, [config])
 
 
+@pytest.mark.parametrize("bucket, ms", [(8, (8, 5)), (64, (64, 50, 40))])
+def test_w4a16_tma_activation_copies_give_the_pointer_copies_bits(bucket, ms):
+    """The descriptor's tile is the pointer copies' tile: the same bits at a full bucket, with
+    rows past M (zero fill against real rows that are never stored) and with bucket 64's
+    48-row pair of dots (the tail dot keeps pointer copies), at one split and two."""
+    packed, _ = packed_weight(96, 768, seed=bucket, device=DEVICE)
+    configs = int4_autotune_configs(bucket)
+    tma = next(c for c in configs if c.kwargs["TMA_ACTIVATIONS"])
+    pointers = next(c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]
+                    and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (tma.kwargs["BLOCK_N"], tma.kwargs["BLOCK_K"]))
+    for m in ms:
+        x = _x(m, 768, seed=m)
+        for split in (1, 2):
+            assert torch.equal(launch(bucket, x, *packed, 32, split_k=split, config=tma),
+                               launch(bucket, x, *packed, 32, split_k=split, config=pointers)), (m, split)
+
+
 def test_w4a16_sampled_configs_match():
     packed, _ = packed_weight(130, 512, seed=5, device=DEVICE)
     x = _x(16, 512, seed=5)

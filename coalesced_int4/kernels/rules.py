@@ -132,16 +132,18 @@ halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8
 W4A16_STAGES = (2, 3)
 W4A16_TMA_STAGES = (2,)
 """The depths at which the W4A16 kernel copies its activation tile by TMA (``TMA_ACTIVATIONS``)
-rather than by pointers. At two stages that was as fast as the pointer copies or faster in 13
-of 14 cells timed on the H200 (docs/benchmarks.md, session 24), with the same bits. At three,
+rather than by pointers. At two stages it was as fast as two-stage pointer copies or faster in
+13 of 14 cells timed on the H200 (docs/benchmarks.md, session 24), with the same bits. At three,
 the descriptor's barriers take the (64, 128, 4) program 24 bytes past a quarter of the SM's
-shared memory (three programs an SM, not four), and Triton 3.6's pipeline produced wrong tiles
-wherever a program ran a multiple of three trips (docs/design.md, "Activations by TMA")."""
+shared memory (three programs an SM, not four), and it gave wrong tiles, differently from run
+to run, wherever three programs with 64-row dots shared an SM (docs/benchmarks.md, session 25;
+the cause is not found)."""
 W4A16_REGISTER_CAPS = {(64, 128, 4, 2): 96}
 """(BLOCK_N, BLOCK_K, num_warps, stages) -> a register cap (``maxnreg``) that the config is
 also tried with. Copying activations by TMA leaves the (64, 128, 4) two-stage program 107
 registers; capped at 96 it fits five programs an SM instead of four, which puts
-39936x6656's 624 tiles in one wave (124 against 141 µs at M = 64, session 24)."""
+39936x6656's 624 tiles in one wave (124 against 141 µs at M = 64, session 24; slower than
+pointers at M = 49, where rows past M are the descriptor's zero fill: session 25)."""
 
 
 def w4a16_batch_rows(bucket: int, m) -> int:

@@ -24,6 +24,7 @@ import sys
 from typing import List, Optional
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
@@ -68,25 +69,17 @@ def wgmma_loop(a_ptr, b_ptr, out_ptr, trips, N: gl.constexpr, REGISTER_A: gl.con
 
 def ns_per_instruction(n: int, register_a: bool, outstanding: int, programs_per_sm: int, trips: int) -> float:
     """Nanoseconds per ``HGMMA.64xNx16`` per SM: ``programs_per_sm`` programs on every SM,
-    each running ``trips`` dots of ``DEPTH // 16`` instructions (CUDA events, mean of 5 launches
-    after one warm-up)."""
+    each running ``trips`` dots of ``DEPTH // 16`` instructions (``triton.testing.do_bench``,
+    as ``l2_bandwidth.py`` times its kernel)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = sms * programs_per_sm
     a = torch.randn(ROWS.value, DEPTH.value, device="cuda", dtype=torch.bfloat16) * 1e-3
     b = torch.randn(n, DEPTH.value, device="cuda", dtype=torch.bfloat16) * 1e-3
     out = torch.empty(grid, ROWS.value, n, device="cuda", dtype=torch.float32)
-    run = lambda: wgmma_loop[(grid,)](a, b, out, trips, N=n, REGISTER_A=register_a,  # noqa: E731
-                                      OUTSTANDING=outstanding, num_warps=4)
-    run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / 5
-    return seconds * 1e9 / (trips * (DEPTH.value // 16) * programs_per_sm)
+    ms = triton.testing.do_bench(lambda: wgmma_loop[(grid,)](a, b, out, trips, N=n, REGISTER_A=register_a,
+                                                             OUTSTANDING=outstanding, num_warps=4),
+                                 warmup=50, rep=200)
+    return ms * 1e6 / (trips * (DEPTH.value // 16) * programs_per_sm)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -59,6 +59,20 @@ def sm90_main_loop(module: str, kernel: str, pointers: dict, constants: dict, wa
     return [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
 
 
+def tma_and_pointer_configs(bucket: int):
+    """Each W4A16 config of ``bucket``'s space that copies activations by TMA, paired with the
+    config of the same tile that copies them by pointers."""
+    from coalesced_int4.kernels import int4_autotune_configs
+
+    configs = int4_autotune_configs(bucket)
+
+    def tile(config):
+        return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps
+
+    pointers = {tile(c): c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]}
+    return [(c, pointers[tile(c)]) for c in configs if c.kwargs["TMA_ACTIVATIONS"]]
+
+
 def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="cpu"):
     """Gaussian rows whose magnitudes span 1e-3 .. 1e2 (one magnitude per row)."""
     generator = torch.Generator().manual_seed(seed)

@@ -23,7 +23,13 @@ from coalesced_int4.kernels import (
     prune_int4_configs,
 )
 from coalesced_int4.quantize import quantize_weight
-from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight, requires_cuda
+from tests.conftest import (
+    assert_close_to_reference,
+    dequant_matmul_reference,
+    packed_weight,
+    requires_cuda,
+    tma_and_pointer_configs,
+)
 
 pytestmark = requires_cuda
 
@@ -272,13 +278,10 @@ def test_w4a16_tma_configs_give_the_pointer_copies_bits_however_many_programs_sh
     of a wider probe like this one on the H200, wherever three programs shared an SM at 64 rows
     (docs/benchmarks.md, session 25)."""
     packed = _packed(8192, k, seed=k)
-    configs = int4_autotune_configs(64)
     for m in (64, 40):
         x = _x(m, k)
         for split in (1, 2, 3, 4, 5):
-            for tma in (c for c in configs if c.kwargs["TMA_ACTIVATIONS"]):
-                pointers = next(c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]
-                                and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (tma.kwargs["BLOCK_N"], tma.kwargs["BLOCK_K"]))
+            for tma, pointers in tma_and_pointer_configs(64):
                 expected = launch(64, x, *packed, 32, split_k=split, config=pointers)
                 for _ in range(3):
                     assert torch.equal(launch(64, x, *packed, 32, split_k=split, config=tma), expected), (m, split, tma)

@@ -15,7 +15,13 @@ from coalesced_int4.kernels.split_k import (
 from coalesced_int4.kernels.w4a16 import activation_rows
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
-from tests.conftest import assert_close_to_reference, dequant_matmul_reference, packed_weight, requires_cuda
+from tests.conftest import (
+    assert_close_to_reference,
+    dequant_matmul_reference,
+    packed_weight,
+    requires_cuda,
+    tma_and_pointer_configs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALLER_M = {8: 6, 16: 9, 32: 24, 64: 48}
@@ -237,10 +243,7 @@ def test_w4a16_tma_activation_copies_give_the_pointer_copies_bits(bucket, ms):
     rows past M (zero fill against real rows that are never stored) and with bucket 64's
     48-row pair of dots (the tail dot keeps pointer copies), at one split and two."""
     packed, _ = packed_weight(96, 768, seed=bucket, device=DEVICE)
-    configs = int4_autotune_configs(bucket)
-    tma = next(c for c in configs if c.kwargs["TMA_ACTIVATIONS"])
-    pointers = next(c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]
-                    and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (tma.kwargs["BLOCK_N"], tma.kwargs["BLOCK_K"]))
+    tma, pointers = tma_and_pointer_configs(bucket)[0]
     for m in ms:
         x = _x(m, 768, seed=m)
         for split in (1, 2):

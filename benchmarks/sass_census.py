@@ -109,10 +109,14 @@ def sass_of(compiled) -> Tuple[List[Tuple[int, str]], int]:
 
 
 def main_loop(body: List[Tuple[int, str]]) -> List[str]:
-    """The instructions from the longest backward branch's target to the branch: the K loop."""
+    """The instructions from the longest backward branch's target to the branch: the K loop.
+    A span with an ``EXIT`` in it is a jump back from the epilogue into code the loop shares
+    (ptxas lays some out so), not a loop."""
     spans = [(int(m.group(1), 16), address) for address, text in body
              if (m := re.match(r"BRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < address]
-    first, last = max(spans, key=lambda span: span[1] - span[0])
+    loops = [(first, last) for first, last in spans
+             if not any(first <= address <= last and text.startswith("EXIT") for address, text in body)]
+    first, last = max(loops, key=lambda span: span[1] - span[0])
     return [text for address, text in body if first <= address <= last]
 
 

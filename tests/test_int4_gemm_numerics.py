@@ -12,7 +12,7 @@ from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDID
 from coalesced_int4.kernels.split_k import (
     REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds,
 )
-from coalesced_int4.kernels.w4a16 import activation_rows
+from coalesced_int4.kernels.w4a16 import activation_rows, batch_rows
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from tests.conftest import (
@@ -140,20 +140,32 @@ def test_prequantized_activations_give_the_bits_of_quantizing_inside_the_gemm(bu
 
 
 @triton.jit
-def _activation_rows_probe(out_ptr, M, BUCKET: tl.constexpr):
-    offs_m = tl.arange(0, BUCKET)
-    tl.store(out_ptr + offs_m, activation_rows(offs_m, M))
+def _activation_rows_probe(rows_ptr, stored_ptr, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+    offs_m = tl.arange(0, BUCKET)  # BATCH_ROWS may be 48, not a power of two
+    batch, stored = batch_rows(offs_m, M, BUCKET, BATCH_ROWS)
+    reads = activation_rows(offs_m, M, BUCKET, BATCH_ROWS)
+    tl.store(rows_ptr + offs_m, reads, mask=offs_m < BATCH_ROWS)
+    # A stored row's output goes to the row it read: -1 marks a mismatch.
+    tl.store(stored_ptr + offs_m, tl.where(stored, tl.where(batch == reads, 1, -1), 0), mask=offs_m < BATCH_ROWS)
 
 
-@pytest.mark.parametrize("bucket", [8, 16, 32, 64])
-def test_w4a16_rows_past_m_spread_their_reads_over_the_batch(bucket):
-    for m in range(1, bucket + 1):
-        rows = torch.full((bucket,), -1, dtype=torch.int32, device=DEVICE)
-        _activation_rows_probe[(1,)](rows, m, BUCKET=bucket)
-        rows = rows.cpu()
-        assert rows[:m].tolist() == list(range(m))
-        assert 0 <= rows.min() and rows.max() < m
+@pytest.mark.parametrize("bucket, batch_rows", [(8, 8), (16, 16), (32, 32), (64, 64), (64, 48)])
+def test_w4a16_accumulator_rows_store_each_row_once_and_read_two_consecutive_windows(bucket, batch_rows):
+    for m in range(1, batch_rows + 1):
+        rows = torch.full((batch_rows,), -1, dtype=torch.int32, device=DEVICE)
+        stored = torch.full((batch_rows,), -1, dtype=torch.int32, device=DEVICE)
+        _activation_rows_probe[(1,)](rows, stored, m, BUCKET=bucket, BATCH_ROWS=batch_rows)
+        rows, stored = rows.cpu(), stored.cpu()
+        assert stored.min() >= 0, (m, rows.tolist(), stored.tolist())
+        stored = stored.bool()
+        assert 0 <= rows.min() and rows.max() < m, (m, rows.tolist())
+        assert sorted(rows[stored].tolist()) == list(range(m)), (m, rows.tolist(), stored.tolist())
+        window = bucket // 2
         if 2 * m > bucket:  # every M that dispatch runs on this bucket
+            # The first window is the batch's first rows, the rest its last rows: each a box
+            # that TMA copies without zero fill.
+            assert rows[:window].tolist() == list(range(window)), (m, rows.tolist())
+            assert rows[window:].tolist() == list(range(m - (batch_rows - window), m)), (m, rows.tolist())
             assert torch.bincount(rows).max() <= 2, (m, rows.tolist())
 
 
@@ -237,11 +249,12 @@ def test_w4a16_decode_is_exact_at_the_extremes_of_codes_and_steps(bucket):
     _assert_one_hot_rows_pick_the_reference_weights(bucket, packed, [config])
 
 
-@pytest.mark.parametrize("bucket, ms", [(8, (8, 5)), (64, (64, 50, 40))])
+@pytest.mark.parametrize("bucket, ms", [(8, (8, 5, 3)), (64, (64, 50, 40, 32, 17))])
 def test_w4a16_tma_activation_copies_give_the_pointer_copies_bits(bucket, ms):
-    """The descriptor's tile is the pointer copies' tile: the same bits at a full bucket, with
-    rows past M (zero fill against real rows that are never stored) and with bucket 64's
-    48-row pair of dots (the tail dot keeps pointer copies), at one split and two."""
+    """The descriptor's windows are the pointer copies' rows: the same bits at a full bucket,
+    with the two windows overlapping (M = 50, 5), with bucket 64's 48-row pair of dots (the
+    tail dot keeps pointer copies), and below dispatch's range (M = 32, 17, 3: zero-filled
+    rows against real rows, never stored), at one split and two."""
     packed, _ = packed_weight(96, 768, seed=bucket, device=DEVICE)
     tma, pointers = tma_and_pointer_configs(bucket)[0]
     for m in ms:

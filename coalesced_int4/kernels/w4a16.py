@@ -214,16 +214,51 @@ faster at M = 16 and 32 on SPEC's shapes but 4096x4096 at M = 32 (1.5 % slower),
 
 
 @triton.jit
-def activation_rows(offs_m, M):
-    """The activation row each accumulator row reads: itself below M. Rows >= M are never
-    stored, so they may read any row, which saves masking every activation copy; row r reads
-    row r - M (clamped to M - 1), so that each row is read at most twice wherever M is more
-    than half the rows multiplied, which dispatch's smallest covering bucket and
-    ``rules.w4a16_batch_rows`` guarantee. Until session 19
-    they all read row M - 1, up to 31 copies of one row a trip, and a batch between buckets
-    ran up to 1.9x slower than a full one: 4096x4096 at M = 33 took 18-19 µs against 11.1
-    now, 14336x4096 at M = 40 57 against 31 (docs/benchmarks.md)."""
-    return tl.minimum(tl.where(offs_m < M, offs_m, offs_m - M), M - 1)
+def batch_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+    """(row, stored): the batch row each accumulator row ``offs_m`` stands for, and whether
+    its output is stored. The first ``BUCKET // 2`` accumulator rows (a window) stand for the
+    batch's first rows; the others for its last ``BATCH_ROWS - BUCKET // 2`` rows, and store
+    only those the first window missed. Wherever dispatch runs a bucket (M more than half of
+    it) both windows lie inside the batch, so TMA copies each as a box without zero fill, and
+    no row is read more than twice.
+
+    Until session 26 accumulator row r >= M read batch row r - M, which a TMA box cannot
+    express: it zero-filled those rows instead, and a box of 64 rows with more than 8 of them
+    past M ran up to 8 % slower (39936x6656 at M = 49 and 52; docs/benchmarks.md)."""
+    WINDOW: tl.constexpr = BUCKET // 2
+    row = offs_m + tl.where(offs_m < WINDOW, 0, M - BATCH_ROWS)
+    stored = tl.where(offs_m < WINDOW, offs_m < M, row >= WINDOW)
+    return row, stored
+
+
+@triton.jit
+def activation_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+    """The activation row each accumulator row reads: its batch row (``batch_rows``), or
+    where that lies outside the batch (a row that is never stored, only below dispatch's range
+    of M) a row inside it, r - M below 2M, which spreads those reads over the batch. Until
+    session 19 such rows all read row M - 1, up to 31 copies of one row a trip, and a batch
+    between buckets ran up to 1.9x slower than a full one (4096x4096 at M = 33: 18-19 µs
+    against 11.1; 14336x4096 at M = 40: 57 against 31)."""
+    row, _ = batch_rows(offs_m, M, BUCKET, BATCH_ROWS)
+    row = tl.where(row < 0, offs_m, row)
+    return tl.minimum(tl.where(row < M, row, row - M), M - 1)
+
+
+@triton.jit
+def activation_windows(x_ptr, M, K, stride_xm, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr,
+                       HEAD_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tensor descriptor of the head dot's activation rows, ``batch_rows``'s windows:
+    [windows, BUCKET // 2, K], window 0 the batch's first rows and window 1 (where the head
+    has two) its last rows, the same rows of x under a second stride. A window or row that
+    lies past the batch (only below dispatch's range of M) is zero-filled; its outputs are
+    not stored."""
+    WINDOW: tl.constexpr = BUCKET // 2
+    WINDOWS: tl.constexpr = HEAD_ROWS // WINDOW
+    second = M - BATCH_ROWS + WINDOW
+    windows = 1 + (WINDOWS - 1) * (second > 0).to(tl.int32)
+    return tl.make_tensor_descriptor(x_ptr, shape=[windows, tl.minimum(M, WINDOW), K],
+                                     strides=[tl.maximum(second, 1) * stride_xm, stride_xm, 1],
+                                     block_shape=[WINDOWS, WINDOW, BLOCK_K])
 
 
 @triton.jit
@@ -245,13 +280,14 @@ def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns):
 
 
 @triton.jit
-def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, PARTIAL: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """Store ``acc`` [BLOCK_N, R], the outputs of rows ``first_row`` .. ``first_row + R - 1``,
-    below row M: bf16 outputs, or fp32 partials where ``PARTIAL``."""
-    offs_m = first_row + tl.arange(0, acc.shape[1])
-    ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = n_mask[:, None] & (offs_m < M)[None, :]
+def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, BUCKET: tl.constexpr,
+                BATCH_ROWS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store ``acc`` [BLOCK_N, R], accumulator rows ``first_row`` .. ``first_row + R - 1``,
+    to their batch rows where ``batch_rows`` stores them: bf16 outputs, or fp32 partials
+    where ``PARTIAL``."""
+    rows, stored = batch_rows(first_row + tl.arange(0, acc.shape[1]), M, BUCKET, BATCH_ROWS)
+    ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
+    mask = n_mask[:, None] & stored[None, :]
     if not PARTIAL:
         tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
     else:
@@ -273,7 +309,8 @@ def _w4a16_kernel(
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Programs: (N tiles, split_k); every program multiplies BATCH_ROWS activation rows
-    (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), rows >= M masked.
+    (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), which stand for the
+    batch's M rows as two windows (``batch_rows``).
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
     steps (sn) are passed apart from K so that Triton's divisibility specialization proves
     their alignment.
@@ -285,7 +322,7 @@ def _w4a16_kernel(
     (128: half the shared memory per pipeline stage and half the decoded tile's registers,
     for more programs per SM at large buckets). STAGES: software-pipelining depth over trips.
     TMA_ACTIVATIONS: the head dot's activation tile is copied by the tensor memory
-    accelerator from a tensor descriptor made here (rows >= M arrive as zeros) instead of by
+    accelerator from a tensor descriptor made here (``activation_windows``) instead of by
     per-thread pointer copies: one copy instruction a trip for eight, and about 20 fewer
     registers (``rules.W4A16_TMA_STAGES`` says where it is used). The descriptor is written
     to global scratch that the launch allocates (``scratch.with_scratch``).
@@ -307,12 +344,12 @@ def _w4a16_kernel(
     rows = tl.where(n_mask, offs_n, 0)
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
-    head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M)
+    head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M, BUCKET, BATCH_ROWS)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
     acc = tl.zeros((BLOCK_N, HEAD_ROWS), tl.float32)
     if TAIL_ROWS > 0:
-        tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M)
+        tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M, BUCKET, BATCH_ROWS)
         tail_acc = tl.zeros((BLOCK_N, TAIL_ROWS), tl.float32)
     # A trip's scale and zero codes and steps are a few bytes per row. Loaded in the trip that
     # uses them, they stalled it on global memory and reached the decode's layout through
@@ -323,8 +360,7 @@ def _w4a16_kernel(
     selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
     last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
     if TMA_ACTIVATIONS:
-        head_tiles = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
-                                               block_shape=[HEAD_ROWS, BLOCK_K])
+        head_windows = activation_windows(x_ptr, M, K, stride_xm, BUCKET, BATCH_ROWS, HEAD_ROWS, BLOCK_K)
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
         if HEAD_ROWS <= WAITED_DOT_MAX_ROWS:
             acc = _completed(acc, INTERPRET)
@@ -338,7 +374,7 @@ def _w4a16_kernel(
         groups = _group_values(scale_codes, scale_step, zero_codes, zero_step, selectors, INTERPRET)
         w = _decode(words, groups, INTERPRET)
         if TMA_ACTIVATIONS:
-            head = head_tiles.load([0, k0])
+            head = tl.reshape(head_windows.load([0, 0, k0]), [HEAD_ROWS, BLOCK_K])
         else:
             head = _activation_tile(x_ptr, head_rows, stride_xm, k0, columns)
         acc += bf16_dot(w, tl.trans(head), INTERPRET)
@@ -346,9 +382,10 @@ def _w4a16_kernel(
             tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     out_ptr += pid_s * stride_os
-    _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, PARTIAL, INTERPRET)
+    _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, PARTIAL, INTERPRET)
     if TAIL_ROWS > 0:
-        _store_rows(tail_acc, out_ptr, HEAD_ROWS, offs_n, n_mask, M, stride_om, PARTIAL, INTERPRET)
+        _store_rows(tail_acc, out_ptr, HEAD_ROWS, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, PARTIAL,
+                    INTERPRET)
 
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):

@@ -140,33 +140,36 @@ def test_prequantized_activations_give_the_bits_of_quantizing_inside_the_gemm(bu
 
 
 @triton.jit
-def _activation_rows_probe(rows_ptr, stored_ptr, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+def _activation_rows_probe(rows_ptr, stored_ptr, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr,
+                           WINDOWS: tl.constexpr):
     offs_m = tl.arange(0, BUCKET)  # BATCH_ROWS may be 48, not a power of two
-    batch, stored = batch_rows(offs_m, M, BUCKET, BATCH_ROWS)
-    reads = activation_rows(offs_m, M, BUCKET, BATCH_ROWS)
+    batch, stored = batch_rows(offs_m, M, BUCKET, BATCH_ROWS, WINDOWS)
+    reads = activation_rows(offs_m, M, BUCKET, BATCH_ROWS, WINDOWS)
     tl.store(rows_ptr + offs_m, reads, mask=offs_m < BATCH_ROWS)
     # A stored row's output goes to the row it read: -1 marks a mismatch.
     tl.store(stored_ptr + offs_m, tl.where(stored, tl.where(batch == reads, 1, -1), 0), mask=offs_m < BATCH_ROWS)
 
 
+@pytest.mark.parametrize("windows", [False, True])
 @pytest.mark.parametrize("bucket, batch_rows", [(8, 8), (16, 16), (32, 32), (64, 64), (64, 48)])
-def test_w4a16_accumulator_rows_store_each_row_once_and_read_two_consecutive_windows(bucket, batch_rows):
+def test_w4a16_accumulator_rows_store_each_row_once_and_spread_their_reads(bucket, batch_rows, windows):
     for m in range(1, batch_rows + 1):
         rows = torch.full((batch_rows,), -1, dtype=torch.int32, device=DEVICE)
         stored = torch.full((batch_rows,), -1, dtype=torch.int32, device=DEVICE)
-        _activation_rows_probe[(1,)](rows, stored, m, BUCKET=bucket, BATCH_ROWS=batch_rows)
+        _activation_rows_probe[(1,)](rows, stored, m, BUCKET=bucket, BATCH_ROWS=batch_rows, WINDOWS=windows)
         rows, stored = rows.cpu(), stored.cpu()
         assert stored.min() >= 0, (m, rows.tolist(), stored.tolist())
         stored = stored.bool()
         assert 0 <= rows.min() and rows.max() < m, (m, rows.tolist())
         assert sorted(rows[stored].tolist()) == list(range(m)), (m, rows.tolist(), stored.tolist())
-        window = bucket // 2
         if 2 * m > bucket:  # every M that dispatch runs on this bucket
-            # The first window is the batch's first rows, the rest its last rows: each a box
-            # that TMA copies without zero fill.
-            assert rows[:window].tolist() == list(range(window)), (m, rows.tolist())
-            assert rows[window:].tolist() == list(range(m - (batch_rows - window), m)), (m, rows.tolist())
             assert torch.bincount(rows).max() <= 2, (m, rows.tolist())
+            window = bucket // 2
+            if windows:  # the batch's first rows, then its last: boxes TMA copies without zero fill
+                assert rows[:window].tolist() == list(range(window)), (m, rows.tolist())
+                assert rows[window:].tolist() == list(range(m - (batch_rows - window), m)), (m, rows.tolist())
+            else:
+                assert rows[:m].tolist() == list(range(m)), (m, rows.tolist())
 
 
 @pytest.mark.parametrize("bucket", [8, 16, 32, 64])

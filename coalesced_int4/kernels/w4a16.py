@@ -214,32 +214,39 @@ faster at M = 16 and 32 on SPEC's shapes but 4096x4096 at M = 32 (1.5 % slower),
 
 
 @triton.jit
-def batch_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+def batch_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr):
     """(row, stored): the batch row each accumulator row ``offs_m`` stands for, and whether
-    its output is stored. The first ``BUCKET // 2`` accumulator rows (a window) stand for the
-    batch's first rows; the others for its last ``BATCH_ROWS - BUCKET // 2`` rows, and store
-    only those the first window missed. Wherever dispatch runs a bucket (M more than half of
-    it) both windows lie inside the batch, so TMA copies each as a box without zero fill, and
-    no row is read more than twice.
+    its output is stored. Without ``WINDOWS``, row r stands for batch row r, stored below M.
+    With ``WINDOWS`` (the TMA copies, ``activation_windows``), the first ``BUCKET // 2``
+    accumulator rows (a window) stand for the batch's first rows and the others for its last
+    ``BATCH_ROWS - BUCKET // 2`` rows, which store only the rows the first window missed:
+    wherever dispatch runs a bucket (M more than half of it) both windows lie inside the
+    batch, so TMA copies each as a box without zero fill.
 
-    Until session 26 accumulator row r >= M read batch row r - M, which a TMA box cannot
-    express: it zero-filled those rows instead, and a box of 64 rows with more than 8 of them
-    past M ran up to 8 % slower (39936x6656 at M = 49 and 52; docs/benchmarks.md)."""
-    WINDOW: tl.constexpr = BUCKET // 2
-    row = offs_m + tl.where(offs_m < WINDOW, 0, M - BATCH_ROWS)
-    stored = tl.where(offs_m < WINDOW, offs_m < M, row >= WINDOW)
+    Session 26 (docs/benchmarks.md): TMA had zero-filled the rows past M, and a box of 64 rows
+    with more than 8 of them past M ran up to 8 % slower (39936x6656 at M = 49 and 52: 135.0
+    -> 128.1 µs with the windows). The pointer copies keep rows r >= M reading row r - M: read
+    as windows they gave the same bits but were about 0.9 µs slower on 4096x4096 and 6144x4096
+    at M = 49-56 and split 4 (0.9 µs faster at split 1; not explained)."""
+    if WINDOWS:
+        WINDOW: tl.constexpr = BUCKET // 2
+        row = offs_m + tl.where(offs_m < WINDOW, 0, M - BATCH_ROWS)
+        stored = tl.where(offs_m < WINDOW, offs_m < M, row >= WINDOW)
+    else:
+        row = offs_m
+        stored = offs_m < M
     return row, stored
 
 
 @triton.jit
-def activation_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
+def activation_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr):
     """The activation row each accumulator row reads: its batch row (``batch_rows``), or
-    where that lies outside the batch (a row that is never stored, only below dispatch's range
-    of M) a row inside it, r - M below 2M, which spreads those reads over the batch. Until
+    where that lies outside the batch (a row that is never stored) a row inside it: r - M
+    below 2M, so that each row is read at most twice wherever dispatch runs a bucket. Until
     session 19 such rows all read row M - 1, up to 31 copies of one row a trip, and a batch
     between buckets ran up to 1.9x slower than a full one (4096x4096 at M = 33: 18-19 µs
     against 11.1; 14336x4096 at M = 40: 57 against 31)."""
-    row, _ = batch_rows(offs_m, M, BUCKET, BATCH_ROWS)
+    row, _ = batch_rows(offs_m, M, BUCKET, BATCH_ROWS, WINDOWS)
     row = tl.where(row < 0, offs_m, row)
     return tl.minimum(tl.where(row < M, row, row - M), M - 1)
 
@@ -247,7 +254,7 @@ def activation_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr):
 @triton.jit
 def activation_windows(x_ptr, M, K, stride_xm, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr,
                        HEAD_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A tensor descriptor of the head dot's activation rows, ``batch_rows``'s windows:
+    """A tensor descriptor of the head dot's activation rows, ``batch_rows``'s two windows:
     [windows, BUCKET // 2, K], window 0 the batch's first rows and window 1 (where the head
     has two) its last rows, the same rows of x under a second stride. A window or row that
     lies past the batch (only below dispatch's range of M) is zero-filled; its outputs are
@@ -281,11 +288,11 @@ def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns):
 
 @triton.jit
 def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, BUCKET: tl.constexpr,
-                BATCH_ROWS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+                BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
     """Store ``acc`` [BLOCK_N, R], accumulator rows ``first_row`` .. ``first_row + R - 1``,
     to their batch rows where ``batch_rows`` stores them: bf16 outputs, or fp32 partials
     where ``PARTIAL``."""
-    rows, stored = batch_rows(first_row + tl.arange(0, acc.shape[1]), M, BUCKET, BATCH_ROWS)
+    rows, stored = batch_rows(first_row + tl.arange(0, acc.shape[1]), M, BUCKET, BATCH_ROWS, WINDOWS)
     ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & stored[None, :]
     if not PARTIAL:
@@ -310,7 +317,7 @@ def _w4a16_kernel(
 ):
     """Programs: (N tiles, split_k); every program multiplies BATCH_ROWS activation rows
     (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), which stand for the
-    batch's M rows as two windows (``batch_rows``).
+    batch's M rows as ``batch_rows`` says.
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
     steps (sn) are passed apart from K so that Triton's divisibility specialization proves
     their alignment.
@@ -344,12 +351,12 @@ def _w4a16_kernel(
     rows = tl.where(n_mask, offs_n, 0)
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
-    head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M, BUCKET, BATCH_ROWS)
+    head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
     first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_trip = first_sb * TRIPS_PER_SB
     acc = tl.zeros((BLOCK_N, HEAD_ROWS), tl.float32)
     if TAIL_ROWS > 0:
-        tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M, BUCKET, BATCH_ROWS)
+        tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
         tail_acc = tl.zeros((BLOCK_N, TAIL_ROWS), tl.float32)
     # A trip's scale and zero codes and steps are a few bytes per row. Loaded in the trip that
     # uses them, they stalled it on global memory and reached the decode's layout through
@@ -382,10 +389,11 @@ def _w4a16_kernel(
             tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     out_ptr += pid_s * stride_os
-    _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, PARTIAL, INTERPRET)
+    _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS, PARTIAL,
+                INTERPRET)
     if TAIL_ROWS > 0:
-        _store_rows(tail_acc, out_ptr, HEAD_ROWS, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, PARTIAL,
-                    INTERPRET)
+        _store_rows(tail_acc, out_ptr, HEAD_ROWS, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS,
+                    PARTIAL, INTERPRET)
 
 
 def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):

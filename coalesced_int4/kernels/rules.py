@@ -142,8 +142,8 @@ W4A16_REGISTER_CAPS = {(64, 128, 4, 2): 96}
 """(BLOCK_N, BLOCK_K, num_warps, stages) -> a register cap (``maxnreg``) that the config is
 also tried with. Copying activations by TMA leaves the (64, 128, 4) two-stage program 107
 registers; capped at 96 it fits five programs an SM instead of four, which puts
-39936x6656's 624 tiles in one wave (124 against 141 µs at M = 64, session 24; slower than
-pointers at M = 49, where rows past M are the descriptor's zero fill: session 25)."""
+39936x6656's 624 tiles in one wave (124 against 141 µs at M = 64, session 24; at M = 49, once
+the descriptor stopped zero-filling the rows past M, 128 against 133 for pointers: session 26)."""
 
 
 def w4a16_batch_rows(bucket: int, m) -> int:

@@ -274,9 +274,9 @@ def test_w4a16_production_ops_with_n_tails():
 def test_w4a16_tma_configs_give_the_pointer_copies_bits_however_many_programs_share_an_sm(k):
     """Each TMA config against its tile's pointer-copy config, three launches each, from one
     program an SM (split 1) to five (split 5, the register-capped config), at 64 activation
-    rows (M = 64, and M = 50, whose two windows overlap) and 48. Three-stage TMA, which the space leaves out, differed in 51 of 315 launches
-    of a wider probe like this one on the H200, wherever three programs shared an SM at 64 rows
-    (docs/benchmarks.md, session 25)."""
+    rows (M = 64, and M = 50, whose two windows overlap) and at 48. Three-stage TMA, which the
+    space leaves out, differed in 51 of 315 launches of a wider probe like this one on the
+    H200, wherever three programs shared an SM at 64 rows (docs/benchmarks.md, session 25)."""
     packed = _packed(8192, k, seed=k)
     for m in (64, 50, 40):
         x = _x(m, k)

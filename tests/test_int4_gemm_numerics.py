@@ -254,10 +254,11 @@ def test_w4a16_decode_is_exact_at_the_extremes_of_codes_and_steps(bucket):
 
 @pytest.mark.parametrize("bucket, ms", [(8, (8, 5, 3)), (64, (64, 50, 40, 32, 17))])
 def test_w4a16_tma_activation_copies_give_the_pointer_copies_bits(bucket, ms):
-    """The descriptor's windows are the pointer copies' rows: the same bits at a full bucket,
-    with the two windows overlapping (M = 50, 5), with bucket 64's 48-row pair of dots (the
-    tail dot keeps pointer copies), and below dispatch's range (M = 32, 17, 3: zero-filled
-    rows against real rows, never stored), at one split and two."""
+    """The descriptor's windows give the pointer copies' bits (each output row is the same dot
+    of the same activation row, whichever accumulator row holds it): at a full bucket, with
+    the two windows overlapping (M = 50, 5), with bucket 64's 48-row pair of dots (the tail
+    dot keeps pointer copies), and below dispatch's range (M = 32, 17, 3: zero-filled rows
+    against real rows, never stored), at one split and two."""
     packed, _ = packed_weight(96, 768, seed=bucket, device=DEVICE)
     tma, pointers = tma_and_pointer_configs(bucket)[0]
     for m in ms:

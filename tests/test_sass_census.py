@@ -3,12 +3,16 @@ for sm_90 with Triton's bundled ptxas, no GPU needed, and reads its occupancy an
 the numbers design.md's kernel decisions quote before any device time is spent."""
 
 import json
+import sys
 import textwrap
 
 import pytest
 
 from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
 from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
+
+sys.path.insert(0, BENCHMARKS)
+from sass_census import main_loop  # noqa: E402  (pure text work: safe under the interpreter)
 
 # Run apart from this process: the suite imports the kernels under Triton's interpreter, which
 # cannot be compiled for a GPU target.
@@ -145,3 +149,13 @@ def test_dependent_launches_wait_for_the_previous_kernel_before_any_global_memor
         assert ptx.find("griddepcontrol.launch_dependents") > wait, name
     for name, ptx in _dependent_launch_ptx(False).items():
         assert "griddepcontrol" not in ptx, name
+
+
+def test_the_k_loop_is_never_a_jump_back_from_the_epilogue():
+    """ptxas may lay out the epilogue's jump back into code the loop shares; that span holds the
+    kernel's EXIT and is not a loop, however long (one such span, 395 instructions against the
+    K loop's 299, was once read as the loop)."""
+    body = [(0x10, "HFMA2 R0, R1, R2, R3 ;"), (0x20, "HGMMA.64x64x16.F32.BF16 R4, gdesc[UR4] ;"),
+            (0x30, "BRA 0x10 ;"), (0x40, "STG.E [R6], R7 ;"), (0x50, "EXIT ;"), (0x60, "IMAD R8, R9, R10, R11 ;"),
+            (0x70, "BRA 0x20 ;")]
+    assert main_loop(body) == ["HFMA2 R0, R1, R2, R3 ;", "HGMMA.64x64x16.F32.BF16 R4, gdesc[UR4] ;", "BRA 0x10 ;"]

@@ -63,9 +63,9 @@ def random_int4_weights(n: int, k: int, copies: int):
 
 
 def tuned_launch_params(bucket, x, weights) -> dict:
-    """The launch parameters (split-K; for buckets 1-4 also ``prequantize``) our launch runs
-    ``x`` on ``weights`` with: tuned now, or restored from the pick caches (the tile config
-    is tuned or restored alongside)."""
+    """The launch parameters (split-K; for buckets 1-4 also ``prequantize``, for 8-64
+    ``balanced``) our launch runs ``x`` on ``weights`` with: tuned now, or restored from the
+    pick caches (the tile config is tuned or restored alongside)."""
     with autotune_launch_params() as stats:
         launch(bucket, x, *weights, 32)
     return stats.choices[-1]
@@ -177,7 +177,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
             print(f"| {n}x{k} | {m} | {fmt(ours)} | {fmt(bf16)} | "
                   f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
-                  f"{r.get('split_k', '-')} | {'yes' if r.get('prequantize') else '-'} |", flush=True)
+                  f"{r.get('split_k', '-')}{' balanced' if r.get('balanced') else ''} | "
+                  f"{'yes' if r.get('prequantize') else '-'} |", flush=True)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -303,12 +303,13 @@ def test_the_tuning_key_is_the_one_triton_caches_under():
 
     autotuner = BUCKET_KERNELS[8]
     names = autotuner.arg_names
-    args = [torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else 7 for n in names[:names.index("PARTIAL")]]
+    args = [torch.zeros(1, dtype=torch.bfloat16) if n.endswith("_ptr") else i  # each integer its own value
+            for i, n in enumerate(names[:names.index("PARTIAL")])]
     kwargs = {"PARTIAL": False, "BUCKET": 8, "BATCH_ROWS": 8, "INTERPRET": False}
     key = tuning_key(autotuner, args, kwargs)
     named = dict(zip(names, args))
-    assert key[:4] == (named["N"], named["K"], named["split_k"], 8)
-    assert key[4:] == tuple(["torch.bfloat16"] * 7)
+    assert key[:5] == (named["N"], named["K"], named["split_k"], named["short_columns"], 8)
+    assert key[5:] == tuple(["torch.bfloat16"] * 7)
 
 
 # ---------------------------------------------------------------- precompile and tracing picks

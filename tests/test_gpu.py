@@ -22,6 +22,7 @@ from coalesced_int4.kernels import (
     launch,
     prune_int4_configs,
 )
+from coalesced_int4.kernels.rules import balanced_short_columns
 from coalesced_int4.quantize import quantize_weight
 from tests.conftest import (
     assert_close_to_reference,
@@ -285,6 +286,32 @@ def test_w4a16_tma_configs_give_the_pointer_copies_bits_however_many_programs_sh
                 expected = launch(64, x, *packed, 32, split_k=split, config=pointers)
                 for _ in range(3):
                     assert torch.equal(launch(64, x, *packed, 32, split_k=split, config=tma), expected), (m, split, tma)
+
+
+def test_w4a16_balanced_grids_match_the_reference_and_repeat_bit_for_bit():
+    """Every split that has a balanced grid on this GPU at N = 6656 (on the H200: splits 2, 3
+    and 4), at 64 activation rows and at 48, under each tile of the space: outputs close to
+    the reference, the same bits on a second launch, and the TMA configs' bits equal to their
+    tile's pointer copies."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    packed = _packed(6656, 4096, seed=27)
+    splits = []
+    for split in TILE_SPLIT_K_CANDIDATES:
+        try:
+            balanced_short_columns(6656, split, sms)
+            splits.append(split)
+        except InvalidLaunchParam:
+            pass
+    assert splits, f"no balanced grid for N = 6656 on {sms} SMs"
+    for m in (64, 49, 40):
+        x = _x(m, 4096)
+        ref = dequant_matmul_reference(x, packed)
+        for split in splits:
+            for tma, pointers in tma_and_pointer_configs(64):
+                expected = launch(64, x, *packed, 32, split_k=split, balanced=True, config=pointers)
+                _close16(expected, ref)
+                assert torch.equal(launch(64, x, *packed, 32, split_k=split, balanced=True, config=pointers), expected)
+                assert torch.equal(launch(64, x, *packed, 32, split_k=split, balanced=True, config=tma), expected)
 
 
 def test_w4a16_split_replay_is_deterministic():

@@ -8,9 +8,11 @@ import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 
 from coalesced_int4.kernels import InvalidLaunchParam, int4_autotune_configs, launch, prune_int4_configs
-from coalesced_int4.kernels.rules import SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, kernel_config
+from coalesced_int4.kernels.rules import (
+    SPLIT_K_CANDIDATES, TILE_SPLIT_K_CANDIDATES, W4A8_BUCKETS, balanced_short_columns, kernel_config,
+)
 from coalesced_int4.kernels.split_k import (
-    REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds,
+    REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch, split_bounds, split_program, split_programs,
 )
 from coalesced_int4.kernels.w4a16 import activation_rows, batch_rows
 from coalesced_int4.kernels.w4a8 import WORDS_PER_GROUP, quantize_activations
@@ -187,6 +189,22 @@ def test_w4a16_buckets_match_the_dequant_reference(bucket, n, k):
             assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
 
 
+def test_w4a16_balanced_grid_matches_the_dequant_reference(monkeypatch):
+    """A balanced grid (``balanced=True``) on a device counted as 6 SMs: N = 257 at split 4 is
+    20 programs of 64 rows, so two tiles (128 columns) are split 3 ways. Under both tile
+    widths of the space the outputs match the reference and repeat bit for bit."""
+    monkeypatch.setattr("coalesced_int4.kernels.w4a16.multiprocessors", lambda device: 6)
+    assert balanced_short_columns(257, 4, 6) == 128
+    packed, _ = packed_weight(257, 1024, seed=9, device=DEVICE)
+    x = _x(16, 1024, seed=9)
+    ref = dequant_matmul_reference(x, packed)
+    configs = prune_int4_configs(int4_autotune_configs(16), {"K": 1024, "split_k": 4})
+    for config in {c.kwargs["BLOCK_N"]: c for c in configs}.values():
+        out = launch(16, x, *packed, 32, split_k=4, balanced=True, config=config)
+        assert_close_to_reference(out, ref, rtol=0.02, atol=4.0, mean_rel=0.01)
+        assert torch.equal(out, launch(16, x, *packed, 32, split_k=4, balanced=True, config=config)), config
+
+
 @pytest.mark.parametrize("m", [33, 48])
 def test_w4a16_bucket_64_at_48_rows_gives_the_bits_of_the_whole_bucket(m):
     """At M <= 48 bucket 64 multiplies 48 activation rows, in a dot of 32 and one of 16
@@ -299,23 +317,61 @@ def test_split_k_reduction_is_bit_identical(bucket):
 
 
 @pytest.mark.parametrize("width", REDUCE_WIDTHS)
-def test_split_k_reduction_sums_in_split_order_at_every_width(width):
+@pytest.mark.parametrize("short_columns", [0, 256])
+def test_split_k_reduction_sums_in_split_order_at_every_width(width, short_columns):
+    """Partials are added in split order; the short columns' last partial, which no program
+    writes, is never read (NaN there would show)."""
     generator = torch.Generator().manual_seed(6)
     partials = torch.randn(3, 8, 600, generator=generator)
     partials[0] *= 1e8
     partials[1] = -partials[0]  # splits 0 and 1 cancel exactly only when added first
+    in_split_order = (partials[0] + partials[1]) + partials[2]
+    in_split_order[:, :short_columns] = partials[0, :, :short_columns] + partials[1, :, :short_columns]
+    partials[2, :, :short_columns] = float("nan")
     partials = partials.to(DEVICE)
     out = torch.empty(5, 600, dtype=torch.bfloat16, device=DEVICE)
-    grid, args, meta = reduction_launch(partials, out, 5, width)
+    grid, args, meta = reduction_launch(partials, out, 5, short_columns, width)
     _splitk_reduce_kernel[grid](*args, **meta)
-    in_split_order = (partials[0] + partials[1]) + partials[2]
-    assert torch.equal(out, in_split_order[:5].to(torch.bfloat16))
+    assert torch.equal(out.cpu(), in_split_order[:5].to(torch.bfloat16))
 
 
 def test_reduction_programs_are_wide_only_for_few_splits_that_still_fill_the_gpu():
     assert reduce_width(8448, 64, 2) == reduce_width(4096, 16, 4) == reduce_width(8448, 8, 4) == 512
     assert reduce_width(8448, 64, 16) == 128  # each split is one more load a column
     assert reduce_width(256, 64, 2) == reduce_width(4096, 8, 2) == 128  # too few programs
+
+
+@triton.jit
+def _split_program_probe(out_ptr, split_k, short_columns, units, BLOCK_N: tl.constexpr):
+    program = tl.program_id(0)
+    tile, split, splits = split_program(program, split_k, short_columns, BLOCK_N)
+    first, count = split_bounds(split, splits, units)
+    row = out_ptr + 5 * program
+    tl.store(row, tile)
+    tl.store(row + 1, split)
+    tl.store(row + 2, splits)
+    tl.store(row + 3, first)
+    tl.store(row + 4, count)
+
+
+@pytest.mark.parametrize("n, split_k, short_columns, block_n", [
+    (6656, 4, 1280, 64), (6656, 4, 1280, 128), (6656, 4, 0, 64), (257, 4, 128, 64), (300, 2, 256, 128),
+    (300, 1, 0, 64),
+])
+def test_split_programs_cover_each_tile_s_units_once_with_short_tiles_first(n, split_k, short_columns, block_n):
+    """``split_program``'s grid: every unit of K of every tile is one program's, exactly once;
+    the first ``short_columns`` are split one way fewer, and their programs come first."""
+    units = 32
+    programs = split_programs(n, split_k, short_columns, block_n)
+    probe = torch.full((programs, 5), -1, dtype=torch.int32, device=DEVICE)
+    _split_program_probe[(programs,)](probe, split_k, short_columns, units, BLOCK_N=block_n)
+    rows = probe.cpu().tolist()
+    covered = sorted((tile, unit) for tile, _, _, first, count in rows for unit in range(first, first + count))
+    assert covered == [(tile, unit) for tile in range(triton.cdiv(n, block_n)) for unit in range(units)]
+    short_tiles = short_columns // block_n
+    assert [splits for _, _, splits, _, _ in rows] == (
+        [split_k - 1] * (short_tiles * (split_k - 1)) + [split_k] * (programs - short_tiles * (split_k - 1)))
+    assert all((tile < short_tiles) == (splits < split_k) for tile, _, splits, _, _ in rows if split_k > 1)
 
 
 @triton.jit

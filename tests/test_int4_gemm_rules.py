@@ -28,8 +28,10 @@ from coalesced_int4.kernels.rules import (
     W4A16_STAGES,
     W4A16_TMA_STAGES,
     W4A16_TILES,
+    balanced_short_columns,
     w4a16_batch_rows,
 )
+from coalesced_int4.kernels.split_k import split_programs
 from tests.conftest import run_compiling_python
 
 
@@ -232,12 +234,49 @@ def test_prune_drops_stages_beyond_the_main_loop_trips(bucket, k, split, max_sta
     configs = int4_autotune_configs(bucket)
     kept = prune_int4_configs(configs, {"K": k}, split_k=split)
     assert max(c.kwargs["STAGES"] for c in kept) == max_stages
-    # Kept iff its stages fit its own trips: ceil(groups of 32 per split / groups per trip).
+    # Kept iff its stages fit its own trips: W4A8 splits super-blocks (8 groups of 32 each)
+    # and walks GROUPS a trip; W4A16 splits its trips of BLOCK_K.
     def trips(c):
-        per_split = -(-(k // 256) // split) * 8
-        return max(1, -(-per_split // (c.kwargs.get("GROUPS") or c.kwargs["BLOCK_K"] // 32)))
+        if "GROUPS" in c.kwargs:
+            return max(1, -(-(-(-(k // 256) // split) * 8) // c.kwargs["GROUPS"]))
+        return -(-(k // c.kwargs["BLOCK_K"]) // split)
 
     assert kept == [c for c in configs if c.kwargs["STAGES"] <= trips(c)]
+
+
+@pytest.mark.parametrize("n, split_k, sms", [
+    (6656, 4, 132), (6656, 3, 132), (6656, 2, 132), (4096, 3, 132), (14336, 2, 132), (39936, 2, 132),
+    (257, 4, 6), (6656, 4, 78),
+])
+def test_balanced_grid_gives_every_sm_the_same_count_of_programs(n, split_k, sms):
+    """Placed in order one to an SM at a time, the balanced grid's programs of 64 rows fill every
+    SM to the same count (one SM one short where the excess is odd), the short tiles' longer
+    programs at most one to an SM, and the short columns are whole tiles of every BLOCK_N."""
+    short_columns = balanced_short_columns(n, split_k, sms)
+    programs = split_programs(n, split_k, short_columns, 64)
+    per_sm = -(-programs // sms)
+    assert programs in (per_sm * sms, per_sm * sms - 1), (programs, per_sm)
+    assert per_sm == triton.cdiv(n, 64) * split_k // sms
+    assert short_columns % 128 == 0 and 0 < short_columns <= n
+    assert short_columns // 64 * (split_k - 1) <= sms
+
+
+def test_balanced_grid_on_the_h200_splits_20_tiles_of_6656_columns_three_ways_at_split_4():
+    """The measured case (docs/benchmarks.md, session 27): 416 programs for 132 SMs."""
+    assert balanced_short_columns(6656, 4, 132) == 20 * 64
+
+
+@pytest.mark.parametrize("n, split_k, sms, reason", [
+    (6656, 4, None, "needs the SM count of a CUDA device"),
+    (6656, 1, 132, "split_k=1 has no balanced grid"),
+    (8448, 4, 132, "already as many on every SM"),
+    (4096, 2, 132, "fewer than one an SM"),
+    (4096, 4, 132, "more than N's whole tiles can give up"),
+    (6656, 8, 132, "some SMs would hold two"),
+])
+def test_balanced_grid_is_refused_where_none_exists(n, split_k, sms, reason):
+    with pytest.raises(InvalidLaunchParam, match=reason):
+        balanced_short_columns(n, split_k, sms)
 
 
 def test_prune_keeps_the_shallowest_config_when_none_fits():

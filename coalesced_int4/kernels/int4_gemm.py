@@ -25,6 +25,7 @@ from coalesced_int4.kernels.autotune.launch_params import autotune_launch_param
 from coalesced_int4.kernels.autotune.tuner import persistent_autotune, single_config
 from coalesced_int4.kernels.family import INTERPRETER, QuantizedGemmFamily
 from coalesced_int4.kernels.rules import (
+    BALANCED_CANDIDATES,
     PREQUANTIZE_CANDIDATES,
     SPLIT_K_CANDIDATES,
     SUPPORTED_BUCKETS,
@@ -39,7 +40,7 @@ from coalesced_int4.kernels.split_k import _splitk_reduce_kernel
 from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel, launch_w4a8
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
 
-AUTOTUNE_KEY = ["N", "K", "split_k"]
+AUTOTUNE_KEY = ["N", "K", "split_k", "short_columns"]
 W4A16_AUTOTUNE_KEY = AUTOTUNE_KEY + ["BATCH_ROWS"]
 """The W4A16 kernel's tile config is also picked per count of activation rows it multiplies
 (``rules.w4a16_batch_rows``)."""
@@ -89,18 +90,18 @@ def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_ste
     return _run(launch_w4a8, bucket, x, weights, split_k, config, prequantize=prequantize)
 
 
-@autotune_launch_param(split_k=TILE_SPLIT_K_CANDIDATES)
+@autotune_launch_param(split_k=TILE_SPLIT_K_CANDIDATES, balanced=BALANCED_CANDIDATES)
 def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
-                  dynamic_m: bool, *, split_k: int, config: Optional[triton.Config] = None):
+                  dynamic_m: bool, *, split_k: int, balanced: bool, config: Optional[triton.Config] = None):
     weights = (qdata, scale, scale_step, zero_point, zero_point_step)
-    return _run(launch_w4a16, bucket, x, weights, split_k, config)
+    return _run(launch_w4a16, bucket, x, weights, split_k, config, balanced=balanced)
 
 
 def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step,
            group_size: int, **launch_params) -> torch.Tensor:
     """Run bucket ``bucket`` (no validation: the op validates first). ``launch_params``:
-    ``split_k=``, ``prequantize=`` (buckets 1-4) and ``config=`` (one triton.Config instead
-    of autotuning)."""
+    ``split_k=``, ``prequantize=`` (buckets 1-4), ``balanced=`` (buckets 8-64) and
+    ``config=`` (one triton.Config instead of autotuning)."""
     # Whether M is symbolic is read here, before timing swaps in concrete stand-ins, and
     # passed positionally so dynamic and static M are timed and cached apart.
     dynamic_m = not isinstance(x.shape[0], int)

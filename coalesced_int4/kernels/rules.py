@@ -31,6 +31,15 @@ TILE_SPLIT_K_CANDIDATES = (1, 2, 3, 4, 5, 8, 16, 32)
 """Split-K values timed for the W4A16 buckets: the reference's powers of two (narrow N keeps
 gaining from more splits), and 3 and 5, which spread N = 6656's 104 tiles of 64 rows more
 evenly over an H100/H200's 132 SMs than any power of two (docs/design.md, "Split-K")."""
+BALANCED_CANDIDATES = (False, True)
+"""Whether a W4A16 launch runs its split on a balanced grid (``balanced_short_columns``), timed
+with the split: the plain grid first, so near ties keep it."""
+BALANCE_ROWS = 64
+"""Weight rows of the tile a balanced grid counts programs in: the W4A16 space's narrowest
+BLOCK_N."""
+BALANCE_COLUMNS = 128
+"""Short columns come in multiples of the space's widest BLOCK_N, so that they are whole tiles
+under every config."""
 
 CODE_WORD = torch.int32
 """The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of
@@ -107,6 +116,41 @@ def unsupported_reason(
     ):
         return "step shape does not match [N, K/256]"
     return None
+
+
+def multiprocessors(device: torch.device) -> Optional[int]:
+    """The SMs a grid spreads over: a CUDA device's count, None elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
+def balanced_short_columns(n: int, split_k: int, sms: Optional[int]) -> int:
+    """The columns at the start of N whose tiles a balanced grid splits ``split_k - 1`` ways
+    (``split_k.split_program``), so that ``split_k``'s programs of ``BALANCE_ROWS`` rows fill
+    ``sms`` SMs evenly: where they number ``p * sms + e``, about ``e`` tiles (a whole count of
+    ``BALANCE_COLUMNS``) each give up a program and every SM holds ``p``, one of them longer.
+    Raises ``InvalidLaunchParam`` where ``split_k`` has no such grid.
+
+    6656x4096 at M = 64 on the H200 (132 SMs): split 4 is 416 programs, 20 SMs holding four
+    of 8 trips and the others three; on the balanced grid 20 tiles take 3 splits of 10-11
+    trips, and every SM three programs: 16.5-16.9 µs against 18.7-19.2 for splits 3 and 4
+    (docs/benchmarks.md, session 27)."""
+    if sms is None:
+        raise InvalidLaunchParam("a balanced grid needs the SM count of a CUDA device")
+    if split_k < 2:
+        raise InvalidLaunchParam("split_k=1 has no balanced grid: a tile cannot be split one way fewer")
+    programs = triton.cdiv(n, BALANCE_ROWS) * split_k
+    per_sm, excess = divmod(programs, sms)
+    short_columns = -(-excess * BALANCE_ROWS // BALANCE_COLUMNS) * BALANCE_COLUMNS
+    if per_sm == 0 or excess == 0:
+        raise InvalidLaunchParam(f"split_k={split_k} on N={n} makes {programs} programs for {sms} SMs: "
+                                 f"{'fewer than one an SM' if per_sm == 0 else 'already as many on every SM'}")
+    if short_columns > n // BALANCE_COLUMNS * BALANCE_COLUMNS:
+        raise InvalidLaunchParam(f"split_k={split_k} on N={n} has {excess} programs past {per_sm} an SM, "
+                                 f"more than N's whole tiles can give up")
+    if short_columns // BALANCE_ROWS * (split_k - 1) > sms:
+        raise InvalidLaunchParam(f"split_k={split_k} on N={n}: the short tiles' longer programs outnumber "
+                                 f"the {sms} SMs, so some SMs would hold two")
+    return short_columns
 
 
 def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
@@ -196,11 +240,12 @@ def int4_autotune_configs(bucket: int) -> List[triton.Config]:
 
 
 def main_loop_trips(config: triton.Config, k: int, split_k: int) -> int:
-    """Trips of a program's K loop in the largest split: its groups of 32 in steps of the
-    config's GROUPS (W4A8) or BLOCK_K / 32 (W4A16)."""
+    """Trips of a program's K loop in the largest split: W4A8 splits super-blocks and walks
+    their groups of 32 GROUPS at a time; W4A16 splits its trips of BLOCK_K."""
+    if "GROUPS" not in config.kwargs:
+        return max(1, -(-(k // config.kwargs.get("BLOCK_K", SUPER_BLOCK)) // split_k))
     groups = -(-(k // SUPER_BLOCK) // split_k) * (SUPER_BLOCK // GROUP_SIZE)
-    per_trip = config.kwargs.get("GROUPS") or config.kwargs.get("BLOCK_K", SUPER_BLOCK) // GROUP_SIZE
-    return max(1, -(-groups // per_trip))
+    return max(1, -(-groups // config.kwargs["GROUPS"]))
 
 
 def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwargs) -> list:

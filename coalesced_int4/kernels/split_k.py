@@ -3,7 +3,15 @@
 With ``split_k > 1`` a GEMM's programs write fp32 partial sums ``[split_k, bucket, N]`` (sized
 by the bucket, not M, so the strides stay static when M is symbolic; rows >= M are never
 read) and ``_splitk_reduce_kernel`` adds them in split order: the same bits on every run, no
-atomics anywhere. Splits partition K's super-blocks evenly (``split_bounds``).
+atomics anywhere. Splits partition a unit of K evenly (``split_bounds``: super-blocks for
+W4A8, main-loop trips for W4A16).
+
+The grid is one-dimensional (``split_program``): the tiles of the first ``short_columns``
+columns are split ``split_k - 1`` ways and their programs come first, the other tiles
+``split_k`` ways. With ``short_columns = 0`` that is the plain split. A balanced grid
+(``rules.balanced_short_columns``) uses it to give every SM the same count of programs where
+``split_k`` alone leaves some SMs one more than the others: the short tiles' longer programs
+then land one on each of the first SMs filled, beside programs of the full split.
 """
 
 from __future__ import annotations
@@ -41,20 +49,57 @@ def reduce_width(n: int, bucket: int, split_k: int) -> int:
 
 
 @triton.jit
-def split_bounds(split, split_k, super_blocks):
-    """(first super-block, count) of ``split``: the first ``super_blocks % split_k`` splits
-    take one more than the others."""
-    base = super_blocks // split_k
-    extra = super_blocks % split_k
+def split_bounds(split, split_k, units):
+    """(first unit, count) of ``split`` of ``units``: the first ``units % split_k`` splits take
+    one more than the others."""
+    base = units // split_k
+    extra = units % split_k
     return split * base + tl.minimum(split, extra), base + (split < extra).to(tl.int32)
 
 
 @triton.jit
+def split_program(program, split_k, short_columns, BLOCK_N: tl.constexpr):
+    """(tile, split, splits of the tile) of ``program`` in the grid ``split_programs`` sizes:
+    the first ``short_columns // BLOCK_N`` tiles are split ``split_k - 1`` ways, their
+    programs first, the rest ``split_k`` ways."""
+    short_tiles = short_columns // BLOCK_N
+    short_splits = tl.maximum(split_k - 1, 1)  # split_k = 1 has no short tiles
+    short_programs = short_tiles * short_splits
+    short = program < short_programs
+    rest = program - short_programs
+    tile = tl.where(short, program // short_splits, short_tiles + rest // split_k)
+    split = tl.where(short, program % short_splits, rest % split_k)
+    return tile, split, tl.where(short, short_splits, split_k)
+
+
+@triton.jit
+def split_program_again(split_k, short_columns, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """``split_program``'s (tile, split) for a kernel's epilogue, from the program id read
+    anew: the compiler cannot reuse the first read, so the two are derived again after the
+    main loop instead of held through it. Held, they cost registers where the program id
+    alone, which the compiler rereads for free, had cost none (offline sm_90, session 27:
+    the W4A16 TMA config 107 -> 116, and W4A8 configs up to a program an SM)."""
+    if INTERPRET:
+        program = tl.program_id(0)
+    else:
+        program = tl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False,
+                                            pack=1)
+    tile, split, _ = split_program(program, split_k, short_columns, BLOCK_N)
+    return tile, split
+
+
+def split_programs(n: int, split_k: int, short_columns: int, block_n: int) -> int:
+    """The programs of a GEMM grid (``split_program``)."""
+    return triton.cdiv(n, block_n) * split_k - short_columns // block_n
+
+
+@triton.jit
 def _splitk_reduce_kernel(
-    partial_ptr, out_ptr, N, stride_s, stride_pm, stride_om,
+    partial_ptr, out_ptr, N, stride_s, stride_pm, stride_om, short_columns,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending.
+    """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending; the
+    first ``short_columns`` columns were split one way fewer and have no last partial.
     DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``)."""
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,32 +107,37 @@ def _splitk_reduce_kernel(
     mask = offs < N
     total = tl.zeros((BLOCK_N,), tl.float32)
     for s in tl.static_range(SPLIT_K):
-        total += tl.load(partial_ptr + s * stride_s + row * stride_pm + offs, mask=mask, other=0.0)
+        written = mask
+        if s == SPLIT_K - 1:
+            written = mask & (offs >= short_columns)
+        total += tl.load(partial_ptr + s * stride_s + row * stride_pm + offs, mask=written, other=0.0)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
-def reduction_launch(partials, out, m, width=None):
+def reduction_launch(partials, out, m, short_columns, width=None):
     """The grid, arguments and meta-parameters of ``_splitk_reduce_kernel`` summing the first
-    ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N], ``width``
-    columns a program (default ``reduce_width``; benchmarks time the others)."""
+    ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N] (the first
+    ``short_columns`` columns without the last partial), ``width`` columns a program
+    (default ``reduce_width``; benchmarks time the others)."""
     split_k, bucket, n = partials.shape
     width = width or reduce_width(n, bucket, split_k)
     grid = (triton.cdiv(n, width), m)
-    args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0))
+    args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0), short_columns)
     return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4,
                             **dependent_launch.options(out.device))
 
 
-def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights,
-                        constants=None):
-    """Launch a GEMM of either family on the grid (N tiles, split_k) and reduce its partials
-    if split_k > 1. Both kernels take ``(*activations, qdata, scale, scale_step, zero_point,
-    zero_point_step, out, M, N, K, *activation_strides, row strides of qdata, of the codes
-    and of the steps, split_k, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET,
-    DEPENDENT_LAUNCH)`` and the family's own ``constants``, the weights
-    as the family's launcher views them (strides in the view's elements). The split count is
-    a runtime argument so every split shares one binary."""
+def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, short_columns, activations, activation_strides,
+                        weights, constants=None):
+    """Launch a GEMM of either family on the grid ``split_program`` maps (``short_columns``
+    split one way fewer) and reduce its partials if split_k > 1. Both kernels take
+    ``(*activations, qdata, scale, scale_step, zero_point, zero_point_step, out, M, N, K,
+    *activation_strides, row strides of qdata, of the codes and of the steps, split_k,
+    short_columns, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and the
+    family's own ``constants``, the weights as the family's launcher views them (strides in
+    the view's elements). The split and the short columns are runtime arguments so that every
+    grid shares one binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
@@ -98,17 +148,17 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
         stride_s = target.stride(0)
 
     def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
+        return (split_programs(n, split_k, short_columns, meta["BLOCK_N"]),)
 
     args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
-            scale_step.stride(0), split_k, stride_s, target.stride(-2))
+            scale_step.stride(0), split_k, short_columns, stride_s, target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
               **dependent_launch.options(qdata.device), **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.launchable(kernel)[grid](*args, **kwargs)
     if split_k > 1:
-        grid, args, meta = reduction_launch(target, out, m)
+        grid, args, meta = reduction_launch(target, out, m, short_columns)
         launch_or_queue(family.launchable(_splitk_reduce_kernel), grid, *args, **meta)
     return out

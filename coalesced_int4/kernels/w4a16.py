@@ -36,9 +36,9 @@ import triton.language as tl
 
 from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
-from coalesced_int4.kernels.rules import CODE_WORD, w4a16_batch_rows
+from coalesced_int4.kernels.rules import CODE_WORD, balanced_short_columns, multiprocessors, w4a16_batch_rows
 from coalesced_int4.kernels.scratch import with_scratch
-from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
+from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds, split_program, split_program_again
 from coalesced_int4.kernels.tiles import repeat_columns
 
 
@@ -304,7 +304,7 @@ def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, BUCKET: t
 @triton.jit
 def _w4a16_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
+    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, short_columns, stride_os, stride_om,
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BATCH_ROWS: tl.constexpr,
@@ -315,7 +315,9 @@ def _w4a16_kernel(
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Programs: (N tiles, split_k); every program multiplies BATCH_ROWS activation rows
+    """Programs: N tiles, each split ``split_k`` ways over the main loop's trips
+    (``split_program``: the first ``short_columns`` one way fewer); every program multiplies
+    BATCH_ROWS activation rows
     (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), which stand for the
     batch's M rows as ``batch_rows`` says.
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
@@ -338,22 +340,19 @@ def _w4a16_kernel(
     [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH: launched
     with programmatic dependent launch (``dependent_launch``).
     """
-    TRIPS_PER_SB: tl.constexpr = 256 // BLOCK_K
     tl.static_assert(BATCH_ROWS == BUCKET or 4 * BATCH_ROWS == 3 * BUCKET,
                      "BATCH_ROWS is the bucket or three quarters of it")
     HEAD_ROWS: tl.constexpr = BUCKET if BATCH_ROWS == BUCKET else BUCKET // 2
     TAIL_ROWS: tl.constexpr = BATCH_ROWS - HEAD_ROWS
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_n, pid_s, splits = split_program(tl.program_id(0), split_k, short_columns, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
     head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
-    first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
-    first_trip = first_sb * TRIPS_PER_SB
+    first_trip, trips = split_bounds(pid_s, splits, K // BLOCK_K)
     acc = tl.zeros((BLOCK_N, HEAD_ROWS), tl.float32)
     if TAIL_ROWS > 0:
         tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
@@ -365,7 +364,7 @@ def _w4a16_kernel(
     # loop-carried value the pipeliner leaves alone, straight into the decode's registers.
     meta = _trip_meta(sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_cn, stride_sn, first_trip, BLOCK_K)
     selectors = _quad_lane_selectors(repeat_columns(meta[0], 4), INTERPRET)
-    last_trip = first_trip + sb_count * TRIPS_PER_SB - 1
+    last_trip = first_trip + trips - 1
     if TMA_ACTIVATIONS:
         head_windows = activation_windows(x_ptr, M, K, stride_xm, BUCKET, BATCH_ROWS, HEAD_ROWS, BLOCK_K)
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
@@ -388,6 +387,9 @@ def _w4a16_kernel(
         if TAIL_ROWS > 0:
             tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
+    pid_n, pid_s = split_program_again(split_k, short_columns, BLOCK_N, INTERPRET)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     out_ptr += pid_s * stride_os
     _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS, PARTIAL,
                 INTERPRET)
@@ -396,15 +398,17 @@ def _w4a16_kernel(
                     PARTIAL, INTERPRET)
 
 
-def launch_w4a16(bucket, x, weights, *, split_k: int, kernel):
+def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
-    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives, with global
-    scratch for the configs that make tensor descriptors."""
+    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives, split ``split_k``
+    ways on the plain grid or a ``balanced`` one (``rules.balanced_short_columns``), with
+    global scratch for the configs that make tensor descriptors."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
+    short_columns = balanced_short_columns(qdata.shape[0], split_k, multiprocessors(x.device)) if balanced else 0
     words = (qdata.view(CODE_WORD), scale.view(CODE_WORD), scale_step, zero_point.view(CODE_WORD), zero_point_step)
     m = x.shape[0]
     return with_scratch(x.device, lambda: launch_split_k_gemm(
-        kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k,
+        kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,
         constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
     ))

@@ -6,9 +6,10 @@ read) and ``_splitk_reduce_kernel`` adds them in split order: the same bits on e
 atomics anywhere. Splits partition a unit of K evenly (``split_bounds``: super-blocks for
 W4A8, main-loop trips for W4A16).
 
-The grid is one-dimensional (``split_program``): the tiles of the first ``short_columns``
-columns are split ``split_k - 1`` ways and their programs come first, the other tiles
-``split_k`` ways. With ``short_columns = 0`` that is the plain split. A balanced grid
+W4A16's grid is one-dimensional (``split_program``): the tiles of the first
+``short_columns`` columns are split ``split_k - 1`` ways and their programs come first, the
+other tiles ``split_k`` ways (W4A8 keeps the grid (N tiles, split_k)). With
+``short_columns = 0`` that is the plain split. A balanced grid
 (``rules.balanced_short_columns``) uses it to give every SM the same count of programs where
 ``split_k`` alone leaves some SMs one more than the others: the short tiles' longer programs
 then land one on each of the first SMs filled, beside programs of the full split.
@@ -78,7 +79,7 @@ def split_program_again(split_k, short_columns, BLOCK_N: tl.constexpr, INTERPRET
     anew: the compiler cannot reuse the first read, so the two are derived again after the
     main loop instead of held through it. Held, they cost registers where the program id
     alone, which the compiler rereads for free, had cost none (offline sm_90, session 27:
-    the W4A16 TMA config 107 -> 116, and W4A8 configs up to a program an SM)."""
+    the W4A16 TMA config 116 registers against 110)."""
     if INTERPRET:
         program = tl.program_id(0)
     else:
@@ -128,16 +129,17 @@ def reduction_launch(partials, out, m, short_columns, width=None):
                             **dependent_launch.options(out.device))
 
 
-def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, short_columns, activations, activation_strides,
-                        weights, constants=None):
-    """Launch a GEMM of either family on the grid ``split_program`` maps (``short_columns``
-    split one way fewer) and reduce its partials if split_k > 1. Both kernels take
-    ``(*activations, qdata, scale, scale_step, zero_point, zero_point_step, out, M, N, K,
+def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights,
+                        short_columns=None, constants=None):
+    """Launch a GEMM of either family and reduce its partials if split_k > 1. Both kernels
+    take ``(*activations, qdata, scale, scale_step, zero_point, zero_point_step, out, M, N, K,
     *activation_strides, row strides of qdata, of the codes and of the steps, split_k,
-    short_columns, stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and the
-    family's own ``constants``, the weights as the family's launcher views them (strides in
-    the view's elements). The split and the short columns are runtime arguments so that every
-    grid shares one binary."""
+    [short_columns,] stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and
+    the family's own ``constants``, the weights as the family's launcher views them (strides
+    in the view's elements). W4A16 passes ``short_columns`` and runs on the 1-D grid
+    ``split_program`` maps (the first ``short_columns`` columns split one way fewer); W4A8
+    passes None and runs on the grid (N tiles, split_k). The split and the short columns are
+    runtime arguments so that every grid shares one binary."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
@@ -148,17 +150,20 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, short_columns, activat
         stride_s = target.stride(0)
 
     def grid(meta):
+        if short_columns is None:
+            return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
         return (split_programs(n, split_k, short_columns, meta["BLOCK_N"]),)
 
     args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
-            scale_step.stride(0), split_k, short_columns, stride_s, target.stride(-2))
+            scale_step.stride(0), split_k, *(() if short_columns is None else (short_columns,)), stride_s,
+            target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
               **dependent_launch.options(qdata.device), **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.launchable(kernel)[grid](*args, **kwargs)
     if split_k > 1:
-        grid, args, meta = reduction_launch(target, out, m, short_columns)
+        grid, args, meta = reduction_launch(target, out, m, short_columns or 0)
         launch_or_queue(family.launchable(_splitk_reduce_kernel), grid, *args, **meta)
     return out

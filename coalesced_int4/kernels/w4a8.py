@@ -39,7 +39,7 @@ from coalesced_int4.kernels.autotune.tuner import launch_or_queue
 from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD
-from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds, split_program, split_program_again
+from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.tiles import repeat_columns
 
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + M rounds |y| < 2**22 to even
@@ -272,7 +272,7 @@ def _load_trip(q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, rows, stride_qn, stride_cn
 @triton.jit
 def _w4a8_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, short_columns, stride_os, stride_om,
+    M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, stride_os, stride_om,
     PARTIAL: tl.constexpr,
     BUCKET: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -282,9 +282,7 @@ def _w4a8_kernel(
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Programs: N tiles, each split ``split_k`` ways over K's super-blocks (``split_program``:
-    the first ``short_columns`` one way fewer). BUCKET (1-4) rows of accumulators; rows >= M
-    skipped.
+    """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
     ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (the pointer's
     type is part of the signature, so each compiles apart; ``PREQUANTIZED`` below is read
     from it). Row strides: activations (xm), weight code words (qn), codes (cn) and steps
@@ -302,11 +300,12 @@ def _w4a8_kernel(
     """
     PREQUANTIZED: tl.constexpr = x_ptr.dtype.element_ty == tl.int32
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
-    pid_n, pid_s, splits = split_program(tl.program_id(0), split_k, short_columns, BLOCK_N)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)  # clamp: out-of-range rows read row 0, never stored
-    first_sb, sb_count = split_bounds(pid_s, splits, K // 256)
+    first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
     acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
@@ -347,9 +346,6 @@ def _w4a8_kernel(
             acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group,
                             GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
-    pid_n, pid_s = split_program_again(split_k, short_columns, BLOCK_N, INTERPRET)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)
     if BUCKET > 1:
@@ -376,6 +372,6 @@ def launch_w4a8(bucket, x, weights, *, split_k: int, prequantize: bool, kernel):
     if prequantize:
         x = quantize_activations(x)
     return launch_split_k_gemm(
-        kernel, bucket=bucket, m=m, k=k, split_k=split_k, short_columns=0,
+        kernel, bucket=bucket, m=m, k=k, split_k=split_k,
         activations=(x,), activation_strides=(x.stride(0),), weights=(qdata.view(CODE_WORD), *meta),
     )

@@ -73,22 +73,6 @@ def split_program(program, split_k, short_columns, BLOCK_N: tl.constexpr):
     return tile, split, tl.where(short, short_splits, split_k)
 
 
-@triton.jit
-def split_program_again(split_k, short_columns, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """``split_program``'s (tile, split) for a kernel's epilogue, from the program id read
-    anew: the compiler cannot reuse the first read, so the two are derived again after the
-    main loop instead of held through it. Held, they cost registers where the program id
-    alone, which the compiler rereads for free, had cost none (offline sm_90, session 27:
-    the W4A16 TMA config 116 registers against 110)."""
-    if INTERPRET:
-        program = tl.program_id(0)
-    else:
-        program = tl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False,
-                                            pack=1)
-    tile, split, _ = split_program(program, split_k, short_columns, BLOCK_N)
-    return tile, split
-
-
 def split_programs(n: int, split_k: int, short_columns: int, block_n: int) -> int:
     """The programs of a GEMM grid (``split_program``)."""
     return triton.cdiv(n, block_n) * split_k - short_columns // block_n

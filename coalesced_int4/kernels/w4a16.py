@@ -38,7 +38,7 @@ from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD, balanced_short_columns, multiprocessors, w4a16_batch_rows
 from coalesced_int4.kernels.scratch import with_scratch
-from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds, split_program, split_program_again
+from coalesced_int4.kernels.split_k import launch_split_k_gemm, split_bounds, split_program
 from coalesced_int4.kernels.tiles import repeat_columns
 
 
@@ -387,9 +387,6 @@ def _w4a16_kernel(
         if TAIL_ROWS > 0:
             tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
-    pid_n, pid_s = split_program_again(split_k, short_columns, BLOCK_N, INTERPRET)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     out_ptr += pid_s * stride_os
     _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS, PARTIAL,
                 INTERPRET)

@@ -290,9 +290,9 @@ def test_w4a16_tma_configs_give_the_pointer_copies_bits_however_many_programs_sh
 
 def test_w4a16_balanced_grids_match_the_reference_and_repeat_bit_for_bit():
     """Every split that has a balanced grid on this GPU at N = 6656 (on the H200: splits 2, 3
-    and 4), at 64 activation rows and at 48, under each tile of the space: outputs close to
-    the reference, the same bits on a second launch, and the TMA configs' bits equal to their
-    tile's pointer copies."""
+    and 4), at 64 activation rows (M = 64 and 49) and at 48 (M = 40), under each tile of the
+    space: outputs close to the reference, the same bits on a second launch, and the TMA
+    configs' bits equal to their tile's pointer copies."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     packed = _packed(6656, 4096, seed=27)
     splits = []

@@ -358,9 +358,10 @@ def _split_program_probe(out_ptr, split_k, short_columns, units, BLOCK_N: tl.con
     (6656, 4, 1280, 64), (6656, 4, 1280, 128), (6656, 4, 0, 64), (257, 4, 128, 64), (300, 2, 256, 128),
     (300, 1, 0, 64),
 ])
-def test_split_programs_cover_each_tile_s_units_once_with_short_tiles_first(n, split_k, short_columns, block_n):
+def test_split_programs_cover_every_unit_of_every_tile_once_short_tiles_first(n, split_k, short_columns, block_n):
     """``split_program``'s grid: every unit of K of every tile is one program's, exactly once;
-    the first ``short_columns`` are split one way fewer, and their programs come first."""
+    the tiles of the first ``short_columns`` columns are split one way fewer, and their
+    programs come first."""
     units = 32
     programs = split_programs(n, split_k, short_columns, block_n)
     probe = torch.full((programs, 5), -1, dtype=torch.int32, device=DEVICE)

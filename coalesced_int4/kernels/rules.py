@@ -6,6 +6,7 @@ these functions.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -118,8 +119,10 @@ def unsupported_reason(
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> Optional[int]:
-    """The SMs a grid spreads over: a CUDA device's count, None elsewhere."""
+    """The SMs a grid spreads over: a CUDA device's count, None elsewhere. Asked of the driver
+    once per device: every W4A16 launch on a balanced grid reads it."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
@@ -140,10 +143,10 @@ def balanced_short_columns(n: int, split_k: int, sms: Optional[int]) -> int:
         raise InvalidLaunchParam("split_k=1 has no balanced grid: a tile cannot be split one way fewer")
     programs = triton.cdiv(n, BALANCE_ROWS) * split_k
     per_sm, excess = divmod(programs, sms)
-    short_columns = -(-excess * BALANCE_ROWS // BALANCE_COLUMNS) * BALANCE_COLUMNS
     if per_sm == 0 or excess == 0:
         raise InvalidLaunchParam(f"split_k={split_k} on N={n} makes {programs} programs for {sms} SMs: "
                                  f"{'fewer than one an SM' if per_sm == 0 else 'already as many on every SM'}")
+    short_columns = -(-excess * BALANCE_ROWS // BALANCE_COLUMNS) * BALANCE_COLUMNS
     if short_columns > n // BALANCE_COLUMNS * BALANCE_COLUMNS:
         raise InvalidLaunchParam(f"split_k={split_k} on N={n} has {excess} programs past {per_sm} an SM, "
                                  f"more than N's whole tiles can give up")

@@ -337,6 +337,7 @@ def test_split_k_reduction_sums_in_split_order_at_every_width(width, short_colum
 
 def test_reduction_programs_are_wide_only_for_few_splits_that_still_fill_the_gpu():
     assert reduce_width(8448, 64, 2) == reduce_width(4096, 16, 4) == reduce_width(8448, 8, 4) == 512
+    assert reduce_width(8448, 64, 8) == reduce_width(14336, 16, 5) == 512
     assert reduce_width(8448, 64, 16) == 128  # each split is one more load a column
     assert reduce_width(256, 64, 2) == reduce_width(4096, 8, 2) == 128  # too few programs
 

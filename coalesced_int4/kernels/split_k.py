@@ -32,18 +32,21 @@ REDUCE_WIDTHS = (128, 512)
 REDUCE_PROGRAMS_WANTED = 128
 """About one reduction program per SM of an H100/H200 (132 SMs): wide programs only where
 they still make this many."""
-REDUCE_WIDE_SPLITS = 4
+REDUCE_WIDE_SPLITS = 8
 """The most splits a wide program sums: each split is one more load and add for every
-column, so a wide program's latency grows with the split while a narrow grid spreads it."""
+column, so a wide program's latency grows with the split while a narrow grid spreads it. On
+the H200 (bench_reduce.py, docs/benchmarks.md, session 28) the wide programs were faster at
+3, 5 and 8 splits at M = 64 (8 splits: 2.29-4.68 µs against 2.36-5.68) and level within
+0.05 µs at M = 8 and 16 wherever they fill the GPU; at 16 splits they are slower."""
 
 
 def reduce_width(n: int, bucket: int, split_k: int) -> int:
     """Columns per reduction program for ``split_k`` partials of ``bucket`` rows of N columns:
     512 where at most ``REDUCE_WIDE_SPLITS`` splits are summed and 512-column programs (one
     per 512 columns of each row) still number ``REDUCE_PROGRAMS_WANTED``, else 128. Measured
-    on the H200 (bench_reduce.py, docs/benchmarks.md): at M = 64 and 2-4 splits programs of
-    128 columns are too fine (4224 of them on N = 8448) and the wide ones take half the time;
-    at 16 splits, or with few programs (N = 256), the wide ones are slower."""
+    on the H200 (bench_reduce.py, docs/benchmarks.md): at M = 64 and 2-8 splits programs of
+    128 columns are too fine (4224 of them on N = 8448) and the wide ones take up to half the
+    time; at 16 splits, or with few programs (N = 256), the wide ones are slower."""
     narrow, wide = REDUCE_WIDTHS
     fills = triton.cdiv(n, wide) * bucket >= REDUCE_PROGRAMS_WANTED
     return wide if split_k <= REDUCE_WIDE_SPLITS and fills else narrow

@@ -312,6 +312,14 @@ def test_the_tuning_key_is_the_one_triton_caches_under():
     assert key[5:] == tuple(["torch.bfloat16"] * 7)
 
 
+def test_each_buckets_tuning_key_names_only_its_kernels_arguments():
+    """Triton skips a key name its kernel lacks, so a stray name would be silently ignored."""
+    from coalesced_int4.kernels import BUCKET_KERNELS
+
+    for bucket, autotuner in BUCKET_KERNELS.items():
+        assert set(autotuner.keys) <= set(autotuner.arg_names), (bucket, autotuner.keys)
+
+
 # ---------------------------------------------------------------- precompile and tracing picks
 
 from coalesced_int4.kernels.autotune import tuner  # noqa: E402

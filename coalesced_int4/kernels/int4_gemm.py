@@ -3,7 +3,7 @@
 ``(x (M, K) bf16, qdata, scale, scale_step, zero_point, zero_point_step, group_size) ->
 (M, N) bf16`` for M within the bucket b. Buckets 1-4 run the W4A8 kernel (``w4a8.py``),
 8-64 the W4A16 kernel (``w4a16.py``). Each bucket has one ``triton.autotune`` object
-(``BUCKET_KERNELS[b]``, key N, K, split_k, and for W4A16 the rows it multiplies) over
+(``BUCKET_KERNELS[b]``, key N, K, split_k, and for W4A16 its grid and the rows it multiplies) over
 ``int4_autotune_configs(b)``, pruned by ``prune_int4_configs``, whose picks persist across
 processes (``autotune/persistent.py``; each bucket's under its own name).
 The split-K, and for W4A8 whether the activations are quantized by a kernel of their own
@@ -40,10 +40,10 @@ from coalesced_int4.kernels.split_k import _splitk_reduce_kernel
 from coalesced_int4.kernels.w4a8 import _quantize_kernel, _w4a8_kernel, launch_w4a8
 from coalesced_int4.kernels.w4a16 import _w4a16_kernel, launch_w4a16
 
-AUTOTUNE_KEY = ["N", "K", "split_k", "short_columns"]
-W4A16_AUTOTUNE_KEY = AUTOTUNE_KEY + ["BATCH_ROWS"]
-"""The W4A16 kernel's tile config is also picked per count of activation rows it multiplies
-(``rules.w4a16_batch_rows``)."""
+AUTOTUNE_KEY = ["N", "K", "split_k"]
+W4A16_AUTOTUNE_KEY = AUTOTUNE_KEY + ["short_columns", "BATCH_ROWS"]
+"""The W4A16 kernel's tile config is also picked per grid (``short_columns``: plain or
+balanced) and per count of activation rows it multiplies (``rules.w4a16_batch_rows``)."""
 
 
 def _jit_kernel(bucket: int):

@@ -35,12 +35,6 @@ evenly over an H100/H200's 132 SMs than any power of two (docs/design.md, "Split
 BALANCED_CANDIDATES = (False, True)
 """Whether a W4A16 launch runs its split on a balanced grid (``balanced_short_columns``), timed
 with the split: the plain grid first, so near ties keep it."""
-BALANCE_ROWS = 64
-"""Weight rows of the tile a balanced grid counts programs in: the W4A16 space's narrowest
-BLOCK_N."""
-BALANCE_COLUMNS = 128
-"""Short columns come in multiples of the space's widest BLOCK_N, so that they are whole tiles
-under every config."""
 
 CODE_WORD = torch.int32
 """The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of
@@ -176,6 +170,12 @@ instruction's M). (64, 4) and (128, 8) with whole super-blocks are the tiles tha
 sweep of six on the H200 at M = 8, 16 and 64 (docs/benchmarks.md); the half-super-block tile
 halves the shared memory per stage, and won the H200 sweep at M = 32 and 64 on 8448x6656
 (28.4 and 34.6 us against 32.2 and 40.8)."""
+BALANCE_ROWS = min(block_n for block_n, _, _ in W4A16_TILES)
+"""Weight rows of the tile a balanced grid counts programs in: the W4A16 space's narrowest
+BLOCK_N."""
+BALANCE_COLUMNS = max(block_n for block_n, _, _ in W4A16_TILES)
+"""Short columns come in multiples of the space's widest BLOCK_N, so that they are whole tiles
+under every config."""
 W4A16_STAGES = (2, 3)
 W4A16_TMA_STAGES = (2,)
 """The depths at which the W4A16 kernel copies its activation tile by TMA (``TMA_ACTIVATIONS``)

@@ -76,13 +76,15 @@ def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: i
 
 def census(family: str, constants: dict, warps: int, prequantized: bool = False) -> Census:
     """Compile one config of ``family``'s kernel for sm_90 as an eager launch on the GPU does
-    (``DEPENDENT_LAUNCH`` unless ``constants`` says otherwise) and count what it issues."""
+    (``DEPENDENT_LAUNCH``, and for W4A16 the plain grid, unless ``constants`` says otherwise)
+    and count what it issues."""
     kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     pointers = {**POINTERS,
                 **(CODE_WORDS if family == "w4a16" else {}),
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
-    compiled = compile_for_sm90(kernel, pointers, {"DEPENDENT_LAUNCH": True, **constants}, warps, constants["STAGES"])
+    launch = {"DEPENDENT_LAUNCH": True, **({"BALANCED": False} if family == "w4a16" else {})}
+    compiled = compile_for_sm90(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"])
     body, registers = sass_of(compiled)
     threads = 32 * warps
     allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread

@@ -6,13 +6,12 @@ read) and ``_splitk_reduce_kernel`` adds them in split order: the same bits on e
 atomics anywhere. Splits partition a unit of K evenly (``split_bounds``: super-blocks for
 W4A8, main-loop trips for W4A16).
 
-W4A16's grid is one-dimensional (``split_program``): the tiles of the first
+A GEMM's grid is (N tiles, split_k). A balanced W4A16 grid (``rules.balanced_short_columns``,
+``short_columns > 0``) is one-dimensional instead (``split_program``): the tiles of the first
 ``short_columns`` columns are split ``split_k - 1`` ways and their programs come first, the
-other tiles ``split_k`` ways (W4A8 keeps the grid (N tiles, split_k)). With
-``short_columns = 0`` that is the plain split. A balanced grid
-(``rules.balanced_short_columns``) uses it to give every SM the same count of programs where
-``split_k`` alone leaves some SMs one more than the others: the short tiles' longer programs
-then land one on each of the first SMs filled, beside programs of the full split.
+other tiles ``split_k`` ways. It gives every SM the same count of programs where ``split_k``
+alone leaves some SMs one more than the others: the short tiles' longer programs land one on
+each of the first SMs filled, beside programs of the full split.
 """
 
 from __future__ import annotations
@@ -123,10 +122,11 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     *activation_strides, row strides of qdata, of the codes and of the steps, split_k,
     [short_columns,] stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and
     the family's own ``constants``, the weights as the family's launcher views them (strides
-    in the view's elements). W4A16 passes ``short_columns`` and runs on the 1-D grid
-    ``split_program`` maps (the first ``short_columns`` columns split one way fewer); W4A8
-    passes None and runs on the grid (N tiles, split_k). The split and the short columns are
-    runtime arguments so that every grid shares one binary."""
+    in the view's elements). W4A16 passes ``short_columns``: where it is not 0 the grid is
+    the 1-D one ``split_program`` maps (the first ``short_columns`` columns split one way
+    fewer), else (N tiles, split_k); W4A8 passes None and runs on (N tiles, split_k). The
+    split and the short columns are runtime arguments so that every split shares one binary
+    (Triton still compiles split 1 apart: it specializes arguments equal to 1)."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
@@ -137,7 +137,7 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
         stride_s = target.stride(0)
 
     def grid(meta):
-        if short_columns is None:
+        if not short_columns:
             return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
         return (split_programs(n, split_k, short_columns, meta["BLOCK_N"]),)
 

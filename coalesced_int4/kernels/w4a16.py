@@ -312,11 +312,13 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     TMA_ACTIVATIONS: tl.constexpr,
+    BALANCED: tl.constexpr,
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
-    """Programs: N tiles, each split ``split_k`` ways over the main loop's trips
-    (``split_program``: the first ``short_columns`` one way fewer); every program multiplies
+    """Programs: (N tiles, split_k), each tile split ``split_k`` ways over the main loop's
+    trips, or where ``BALANCED`` a 1-D grid whose first ``short_columns`` one way fewer
+    (``split_program``); every program multiplies
     BATCH_ROWS activation rows
     (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), which stand for the
     batch's M rows as ``batch_rows`` says.
@@ -335,6 +337,12 @@ def _w4a16_kernel(
     per-thread pointer copies: one copy instruction a trip for eight, and about 20 fewer
     registers (``rules.W4A16_TMA_STAGES`` says where it is used). The descriptor is written
     to global scratch that the launch allocates (``scratch.with_scratch``).
+    BALANCED: the 1-D grid of a balanced split (``short_columns > 0``). The plain grid takes
+    its tile and split from the program ids, which the compiler reads again for free where
+    it needs them; the 1-D grid's are divisions by the runtime split held through the loop
+    (offline sm_90, session 28: on the 1-D grid the register-capped TMA config's loop was
+    313-320 instructions with up to 7 spills against 304 and 4, and 39936x6656 at M = 49-64,
+    split 1, ran 6-8 % slower on the H200).
     INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
     interpreter computes bf16 math on raw bits. PARTIAL: write fp32 partials
     [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH: launched
@@ -345,7 +353,10 @@ def _w4a16_kernel(
     HEAD_ROWS: tl.constexpr = BUCKET if BATCH_ROWS == BUCKET else BUCKET // 2
     TAIL_ROWS: tl.constexpr = BATCH_ROWS - HEAD_ROWS
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
-    pid_n, pid_s, splits = split_program(tl.program_id(0), split_k, short_columns, BLOCK_N)
+    if BALANCED:
+        pid_n, pid_s, splits = split_program(tl.program_id(0), split_k, short_columns, BLOCK_N)
+    else:
+        pid_n, pid_s, splits = tl.program_id(0), tl.program_id(1), split_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)
@@ -407,5 +418,5 @@ def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
     return with_scratch(x.device, lambda: launch_split_k_gemm(
         kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,
-        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
+        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m), "BALANCED": short_columns > 0},
     ))

@@ -51,7 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 picked = reduce_width(n, m, split)
                 times = []
                 for width in REDUCE_WIDTHS:
-                    grid, launch_args, meta = reduction_launch(partials, out, m, 0, width)
+                    grid, launch_args, meta = reduction_launch(partials, out, m, width=width)
                     reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
                     times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{'*' if width == picked else ''}")
                 print(f"| {n} | {m} | {split} | {' | '.join(times)} |", flush=True)

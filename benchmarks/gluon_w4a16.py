@@ -227,7 +227,7 @@ def launch(x, qdata, scale, scale_step, zero_point, zero_point_step, *, split_k=
         target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
         WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x.device))
     if split_k > 1:
-        grid, args, meta = reduction_launch(target, out, m, 0)
+        grid, args, meta = reduction_launch(target, out, m)
         _splitk_reduce_kernel[grid](*args, **meta)
     return out
 

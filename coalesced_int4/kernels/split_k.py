@@ -102,11 +102,12 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 
-def reduction_launch(partials, out, m, short_columns, width=None):
+def reduction_launch(partials, out, m, short_columns=0, width=None):
     """The grid, arguments and meta-parameters of ``_splitk_reduce_kernel`` summing the first
     ``m`` rows of fp32 ``partials`` [split_k, bucket, N] into bf16 ``out`` [m, N] (the first
-    ``short_columns`` columns without the last partial), ``width`` columns a program
-    (default ``reduce_width``; benchmarks time the others)."""
+    ``short_columns`` columns, those of a balanced grid's short tiles, without the last
+    partial), ``width`` columns a program (default ``reduce_width``; benchmarks time the
+    others)."""
     split_k, bucket, n = partials.shape
     width = width or reduce_width(n, bucket, split_k)
     grid = (triton.cdiv(n, width), m)
@@ -122,11 +123,12 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     *activation_strides, row strides of qdata, of the codes and of the steps, split_k,
     [short_columns,] stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and
     the family's own ``constants``, the weights as the family's launcher views them (strides
-    in the view's elements). W4A16 passes ``short_columns``: where it is not 0 the grid is
-    the 1-D one ``split_program`` maps (the first ``short_columns`` columns split one way
-    fewer), else (N tiles, split_k); W4A8 passes None and runs on (N tiles, split_k). The
-    split and the short columns are runtime arguments so that every split shares one binary
-    (Triton still compiles split 1 apart: it specializes arguments equal to 1)."""
+    in the view's elements). W4A16's kernel also takes ``short_columns`` and the constexpr
+    ``BALANCED``: where ``short_columns`` is not 0 the grid is the 1-D one ``split_program``
+    maps (the first ``short_columns`` columns split one way fewer), else (N tiles, split_k).
+    W4A8 passes None and runs on (N tiles, split_k). The split and the short columns are
+    runtime arguments so that every split shares one binary (Triton still compiles split 1
+    apart: it specializes arguments equal to 1)."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
@@ -136,17 +138,22 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
         target = torch.empty((split_k, bucket, n), dtype=torch.float32, device=qdata.device)
         stride_s = target.stride(0)
 
+    balanced = bool(short_columns)
+
     def grid(meta):
-        if not short_columns:
+        if not balanced:
             return (triton.cdiv(n, meta["BLOCK_N"]), split_k)
         return (split_programs(n, split_k, short_columns, meta["BLOCK_N"]),)
 
+    if short_columns is None:  # W4A8's kernel has no balanced grid
+        grid_args, grid_constants = (), {}
+    else:
+        grid_args, grid_constants = (short_columns,), {"BALANCED": balanced}
     args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
-            scale_step.stride(0), split_k, *(() if short_columns is None else (short_columns,)), stride_s,
-            target.stride(-2))
+            scale_step.stride(0), split_k, *grid_args, stride_s, target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
-              **dependent_launch.options(qdata.device), **(constants or {})}
+              **dependent_launch.options(qdata.device), **grid_constants, **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.launchable(kernel)[grid](*args, **kwargs)

@@ -318,8 +318,7 @@ def _w4a16_kernel(
 ):
     """Programs: (N tiles, split_k), each tile split ``split_k`` ways over the main loop's
     trips, or where ``BALANCED`` a 1-D grid whose first ``short_columns`` one way fewer
-    (``split_program``); every program multiplies
-    BATCH_ROWS activation rows
+    (``split_program``); every program multiplies BATCH_ROWS activation rows
     (``rules.w4a16_batch_rows``: the bucket, or three quarters of it), which stand for the
     batch's M rows as ``batch_rows`` says.
     Row strides of the codes (qn) and scale/zero codes (cn), both in int32 words, and of the
@@ -337,7 +336,8 @@ def _w4a16_kernel(
     per-thread pointer copies: one copy instruction a trip for eight, and about 20 fewer
     registers (``rules.W4A16_TMA_STAGES`` says where it is used). The descriptor is written
     to global scratch that the launch allocates (``scratch.with_scratch``).
-    BALANCED: the 1-D grid of a balanced split (``short_columns > 0``). The plain grid takes
+    BALANCED: the 1-D grid of a balanced split (``short_columns`` not 0; the launch,
+    ``split_k.launch_split_k_gemm``, sets it with the grid). The plain grid takes
     its tile and split from the program ids, which the compiler reads again for free where
     it needs them; the 1-D grid's are divisions by the runtime split held through the loop
     (offline sm_90, session 28: on the 1-D grid the register-capped TMA config's loop was
@@ -418,5 +418,5 @@ def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
     return with_scratch(x.device, lambda: launch_split_k_gemm(
         kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
         activations=(x,), activation_strides=(x.stride(0),), weights=words,
-        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m), "BALANCED": short_columns > 0},
+        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
     ))

@@ -8,6 +8,8 @@
 #                   family's up to 8) once per source tree in SWEEP_TREES (folders
 #                   holding coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH
 #                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
+#   ab              in-process A/B of the GEMMs of source trees (ab_trees.py): AB_TREES="BASE
+#                   VARIANT..." (folders holding coalesced_int4/), AB_CASES (NxKxM,...), AB_ROUNDS
 #   profile         Nsight Compute counters of tuned launches (PROFILE_TILE, PROFILE_SPLIT: one
 #                   W4A16 config instead), with per-SASS-line stall samples (stall_lines.py)
 #   l2              L2 -> SM read bandwidth (l2_bandwidth.py)
@@ -16,7 +18,7 @@
 #   attention       decode attention against SDPA
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [profile] [l2] [autotune] [decode] [decode-profile] [attention]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [ab] [profile] [l2] [autotune] [decode] [decode-profile] [attention]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -65,6 +67,12 @@ for step in $steps; do
           ${SWEEP_SPLITS:+--splits $SWEEP_SPLITS} --json "$log.json" > "$log.log" 2>&1
         grep -E "^\||^#" "$log.log" | cut -c1-440 | tail -16
       done ;;
+    ab)
+      # Its own empty pick cache: the baseline tunes every case afresh rather than restoring a
+      # pick made for other code.
+      COALESCED_INT4_CACHE_DIR=$(mktemp -d) timeout "${AB_S:-300}" python benchmarks/ab_trees.py ${AB_TREES:?AB_TREES=\"BASE VARIANT...\"} \
+        ${AB_CASES:+--cases $AB_CASES} ${AB_ROUNDS:+--rounds $AB_ROUNDS} --json "$out/ab.json" > "$out/ab.log" 2>&1
+      grep -E "^\||^#|Error" "$out/ab.log" | cut -c1-300 ;;
     profile)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       # Tuned first without ncu (timings under ncu are not the real ones) into a fresh pick

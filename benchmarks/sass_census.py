@@ -1,12 +1,12 @@
 """Offline SASS census of one GEMM kernel config: compiles ``_w4a8_kernel`` or
 ``_w4a16_kernel`` for sm_90 without a GPU (Triton's bundled ptxas, the divisibility attributes
 a launch specializes on) and prints its registers and shared memory, how many programs an SM
-holds by each limit, the most frequent instruction classes and the main loop's length per
-weight, so a change's instruction and occupancy cost can be read before any device time is
-spent.
+holds by each limit, the most frequent instruction classes, the main loop's length per
+weight and what comes after the loop (the accumulator's stores), so a change's instruction
+and occupancy cost can be read before any device time is spent.
 
     python benchmarks/sass_census.py w4a8 --bucket 4 --block-n 16 --groups 32 --warps 4 [--stages 2] [--prefetch] [--prequantized]
-    python benchmarks/sass_census.py w4a16 --bucket 64 --block-n 64 --block-k 256 --warps 4 --stages 3
+    python benchmarks/sass_census.py w4a16 --bucket 64 --block-n 64 --block-k 256 --warps 4 --stages 3 [--partial] [--maxnreg 96]
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class Census:
     programs_by: Dict[str, int]
     opcodes: Counter
     main_loop: List[str]
+    epilogue: List[str]
+    """The instructions after the main loop's back-edge, every path of them (the stores of
+    the accumulator and whatever ptxas laid out there)."""
     weights_per_thread: float
 
     @property
@@ -61,30 +64,33 @@ def cuobjdump(*args: str) -> str:
     return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
 
 
-def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1):
+def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1,
+                     maxnreg: Optional[int] = None):
     """``kernel`` (Triton or Gluon) compiled for sm_90 offline: ``pointers`` maps pointer
     arguments to Triton types, ``constants`` the constexpr ones; every other argument is an
     int32, and pointers and ``DIVISIBLE_BY_16`` arguments are specialized as a launch on model
-    shapes does."""
+    shapes does. ``maxnreg``: a config's register cap."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
     source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     source = source_type(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def census(family: str, constants: dict, warps: int, prequantized: bool = False) -> Census:
+def census(family: str, constants: dict, warps: int, prequantized: bool = False,
+           maxnreg: Optional[int] = None) -> Census:
     """Compile one config of ``family``'s kernel for sm_90 as an eager launch on the GPU does
     (``DEPENDENT_LAUNCH``, and for W4A16 the plain grid, unless ``constants`` says otherwise)
-    and count what it issues."""
+    and count what it issues. ``maxnreg``: the config's register cap, if it has one."""
     kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     pointers = {**POINTERS,
                 **(CODE_WORDS if family == "w4a16" else {}),
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
     launch = {"DEPENDENT_LAUNCH": True, **({"BALANCED": False} if family == "w4a16" else {})}
-    compiled = compile_for_sm90(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"])
+    compiled = compile_for_sm90(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"], maxnreg)
     body, registers = sass_of(compiled)
     threads = 32 * warps
     allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread
@@ -93,7 +99,7 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False)
                    "shared memory": SM_SHARED // (shared + SHARED_RESERVED)}
     weights_per_trip = constants["BLOCK_N"] * (constants["GROUPS"] * 32 if family == "w4a8" else constants["BLOCK_K"])
     return Census(registers, shared, programs_by,
-                  Counter(text.split()[0].rstrip(";").split(".")[0] for _, text in body), main_loop(body),
+                  Counter(opcode(text) for _, text in body), main_loop(body), after_loop(body),
                   weights_per_trip / threads)
 
 
@@ -110,16 +116,32 @@ def sass_of(compiled) -> Tuple[List[Tuple[int, str]], int]:
     return body, registers
 
 
-def main_loop(body: List[Tuple[int, str]]) -> List[str]:
-    """The instructions from the longest backward branch's target to the branch: the K loop.
-    A span with an ``EXIT`` in it is a jump back from the epilogue into code the loop shares
-    (ptxas lays some out so), not a loop."""
+def opcode(text: str) -> str:
+    """An instruction's opcode without its modifiers: ``"STG.E.128 [R2], R4 ;"`` -> ``"STG"``."""
+    return text.split()[0].rstrip(";").split(".")[0]
+
+
+def main_loop_span(body: List[Tuple[int, str]]) -> Tuple[int, int]:
+    """The addresses of the K loop's first instruction and of its back-edge: the longest
+    backward branch's target and the branch. A span with an ``EXIT`` in it is a jump back from
+    the epilogue into code the loop shares (ptxas lays some out so), not a loop."""
     spans = [(int(m.group(1), 16), address) for address, text in body
              if (m := re.match(r"BRA (0x[0-9a-f]+)", text)) and int(m.group(1), 16) < address]
     loops = [(first, last) for first, last in spans
              if not any(first <= address <= last and text.startswith("EXIT") for address, text in body)]
-    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return max(loops, key=lambda span: span[1] - span[0])
+
+
+def main_loop(body: List[Tuple[int, str]]) -> List[str]:
+    """The K loop's instructions (``main_loop_span``)."""
+    first, last = main_loop_span(body)
     return [text for address, text in body if first <= address <= last]
+
+
+def after_loop(body: List[Tuple[int, str]]) -> List[str]:
+    """The instructions after the K loop's back-edge."""
+    last = main_loop_span(body)[1]
+    return [text for address, text in body if address > last]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -136,6 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--prequantized", action="store_true",
                         help="w4a8: the binary reading quantize_activations' words instead of bf16")
     parser.add_argument("--partial", action="store_true", help="the split-K (> 1) binary")
+    parser.add_argument("--maxnreg", type=int, default=None, help="the config's register cap")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     constants = {"PARTIAL": args.partial, "BUCKET": args.bucket, "BLOCK_N": args.block_n,
@@ -145,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         constants.update(BLOCK_K=args.block_k, BATCH_ROWS=args.batch_rows or args.bucket,
                          TMA_ACTIVATIONS=args.stages in W4A16_TMA_STAGES)
-    result = census(args.family, constants, args.warps, args.prequantized)
+    result = census(args.family, constants, args.warps, args.prequantized, args.maxnreg)
     limits = ", ".join(f"{count} by {limit}" for limit, count in result.programs_by.items())
     print(f"{args.family} {constants} warps {args.warps}{' prequantized' if args.prequantized else ''}: "
           f"{result.registers} registers/thread, {result.shared} B shared; programs per SM: {limits} "
@@ -155,6 +178,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     loop = len(result.main_loop)
     print(f"main loop: {loop} instructions a trip for {result.weights_per_thread:.0f} weights a thread "
           f"({loop / result.weights_per_thread:.2f} per weight)")
+    stores = Counter(opcode(text) for text in result.epilogue)
+    print(f"after the loop: {len(result.epilogue)} instructions, "
+          + ", ".join(f"{op} {stores[op]}" for op in ("STS", "LDS", "BAR", "STG") if stores[op]))
     return 0
 
 

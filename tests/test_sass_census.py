@@ -8,27 +8,29 @@ import textwrap
 
 import pytest
 
+from coalesced_int4.kernels.rules import W4A16_REGISTER_CAPS, W4A16_TMA_STAGES
 from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
 from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
 
 sys.path.insert(0, BENCHMARKS)
-from sass_census import main_loop  # noqa: E402  (pure text work: safe under the interpreter)
+from sass_census import after_loop, main_loop  # noqa: E402  (pure text work: safe under the interpreter)
 
 # Run apart from this process: the suite imports the kernels under Triton's interpreter, which
 # cannot be compiled for a GPU target.
 CENSUS = textwrap.dedent("""
     import json, sys
     from sass_census import census
-    family, constants, warps = json.loads(sys.argv[1])
-    result = census(family, constants, warps)
+    family, constants, warps, maxnreg = json.loads(sys.argv[1])
+    result = census(family, constants, warps, maxnreg=maxnreg)
     print(json.dumps({"registers": result.registers, "shared": result.shared,
                       "programs_by": result.programs_by, "programs_per_sm": result.programs_per_sm,
-                      "main_loop": result.main_loop, "instructions": sum(result.opcodes.values())}))
+                      "main_loop": result.main_loop, "epilogue": result.epilogue,
+                      "instructions": sum(result.opcodes.values())}))
 """)
 
 
-def _census(family, constants, warps):
-    child = run_compiling_python(CENSUS, json.dumps([family, constants, warps]),
+def _census(family, constants, warps, maxnreg=None):
+    child = run_compiling_python(CENSUS, json.dumps([family, constants, warps, maxnreg]),
                                  path=(ROOT, BENCHMARKS))
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
@@ -140,6 +142,19 @@ def _dependent_launch_ptx(dependent: bool) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def test_a_capped_config_is_counted_under_its_cap():
+    """The census compiles a config with its register cap, as the launch does: capped, the
+    TMA config of ``W4A16_REGISTER_CAPS`` fits its cap (uncapped it takes more), and the
+    split-K partials are still stored after the loop."""
+    (block_n, block_k, warps, stages), cap = next(iter(W4A16_REGISTER_CAPS.items()))
+    constants = {"PARTIAL": True, "BUCKET": 64, "BATCH_ROWS": 64, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                 "STAGES": stages, "TMA_ACTIVATIONS": stages in W4A16_TMA_STAGES, "INTERPRET": False}
+    capped, uncapped = _census("w4a16", constants, warps, cap), _census("w4a16", constants, warps)
+    assert capped["registers"] <= cap < uncapped["registers"]
+    assert any(text.startswith("STG") for text in capped["epilogue"])
+    assert not any(text.startswith("STG") for text in capped["main_loop"])
+
+
 def test_dependent_launches_wait_for_the_previous_kernel_before_any_global_memory_access():
     """A kernel launched with programmatic dependent launch may start before the previous
     kernel on the stream ends: each of the family's kernels waits for it before it reads or
@@ -162,3 +177,4 @@ def test_the_k_loop_is_never_a_jump_back_from_the_epilogue():
             (0x30, "BRA 0x10 ;"), (0x40, "STG.E [R6], R7 ;"), (0x50, "EXIT ;"), (0x60, "IMAD R8, R9, R10, R11 ;"),
             (0x70, "BRA 0x20 ;")]
     assert main_loop(body) == ["HFMA2 R0, R1, R2, R3 ;", "HGMMA.64x64x16.F32.BF16 R4, gdesc[UR4] ;", "BRA 0x10 ;"]
+    assert after_loop(body) == ["STG.E [R6], R7 ;", "EXIT ;", "IMAD R8, R9, R10, R11 ;", "BRA 0x20 ;"]

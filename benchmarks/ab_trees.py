@@ -83,6 +83,7 @@ def tuned_pick(kernels, bucket: int, x, weights) -> dict:
 
 
 def describe(pick: dict) -> str:
+    """A pick in one line, e.g. ``split_k=4 balanced=False BLOCK_N=64 ... warps=4``."""
     config = pick["config"]
     tile = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
     cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""

@@ -30,14 +30,21 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gemm import INT4_BYTES_PER_WEIGHT, bucket_for, random_int4_weights  # noqa: E402
+from bench_gemm import (  # noqa: E402
+    INT4_BYTES_PER_WEIGHT,
+    bench_bf16,
+    bucket_for,
+    last_config,
+    random_int4_weights,
+    tuned_launch_params,
+)
 
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us  # noqa: E402
 
@@ -75,30 +82,16 @@ def parse_cases(text: str) -> List[Tuple[int, int, int]]:
     return cases
 
 
-def tuned_pick(kernels, bucket: int, x, weights) -> dict:
-    """The launch parameters and tile config the tuning (or pick cache) of ``kernels`` (a
-    tree's ``kernels`` module) gives ``x`` on ``weights``, as keyword arguments of its ``launch``."""
-    with kernels.autotune_launch_params() as stats:
-        kernels.launch(bucket, x, *weights, 32)
-    return dict(stats.choices[-1], config=kernels.BUCKET_KERNELS[bucket].best_config)
-
-
-def describe(pick: dict) -> str:
-    """A pick in one line, e.g. ``split_k=4 balanced=False BLOCK_N=64 ... warps=4``."""
-    config = pick["config"]
-    tile = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
-    cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
-    params = " ".join(f"{key}={value}" for key, value in pick.items() if key != "config")
-    return f"{params} {tile} warps={config.num_warps}{cap}"
-
-
 def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
     """One case: each tree's µs per round (the trees in alternation), bf16's µs, and which
     trees' outputs are bit-identical to the first tree's."""
     bucket = bucket_for(m)
     copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    pick = tuned_pick(trees[0], bucket, x, copies[0])
+    baseline = trees[0]
+    params = tuned_launch_params(bucket, x, copies[0], baseline)
+    pick = dict(params, config=baseline.BUCKET_KERNELS[bucket].best_config)
+    described = " ".join(f"{key}={value}" for key, value in params.items()) + " " + last_config(bucket, baseline)
     outputs = [kernels.launch(bucket, x, *copies[0], 32, **pick) for kernels in trees]
     times = [[] for _ in trees]
     for _ in range(rounds):
@@ -106,12 +99,11 @@ def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
             series.append(time_back_to_back_us(
                 [lambda w=w, kernels=kernels: kernels.launch(bucket, x, *w, 32, **pick) for w in copies]))
     del copies
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_beyond_l2(n * k * 2))]
-    bf16_us = time_back_to_back_us([lambda w=w: F.linear(x, w) for w in weights])
-    del weights
+    bf16 = defaultdict(dict)
+    bench_bf16(n, k, [m], bf16)
     torch.cuda.empty_cache()
-    return {"N": n, "K": k, "M": m, "bucket": bucket, "pick": describe(pick), "us": times,
-            "bf16_us": bf16_us, "bit_identical": [torch.equal(outputs[0], out) for out in outputs]}
+    return {"N": n, "K": k, "M": m, "bucket": bucket, "pick": described, "us": times,
+            "bf16_us": bf16[(n, k, m)]["bf16_us"], "bit_identical": [torch.equal(outputs[0], out) for out in outputs]}
 
 
 def report_rows(result: dict, labels: Sequence[str]) -> List[str]:

@@ -22,7 +22,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from coalesced_int4.kernels import BUCKET_KERNELS, SUPPORTED_BUCKETS, autotune_launch_params, launch
+import coalesced_int4.kernels as our_kernels
+from coalesced_int4.kernels import SUPPORTED_BUCKETS, launch
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
@@ -62,19 +63,20 @@ def random_int4_weights(n: int, k: int, copies: int):
     return out
 
 
-def tuned_launch_params(bucket, x, weights) -> dict:
+def tuned_launch_params(bucket, x, weights, kernels=our_kernels) -> dict:
     """The launch parameters (split-K; for buckets 1-4 also ``prequantize``, for 8-64
     ``balanced``) our launch runs ``x`` on ``weights`` with: tuned now, or restored from the
-    pick caches (the tile config is tuned or restored alongside)."""
-    with autotune_launch_params() as stats:
-        launch(bucket, x, *weights, 32)
+    pick caches (the tile config is tuned or restored alongside). ``kernels``: the package's
+    ``kernels`` module, or another source tree's (``ab_trees.py``)."""
+    with kernels.autotune_launch_params() as stats:
+        kernels.launch(bucket, x, *weights, 32)
     return stats.choices[-1]
 
 
-def last_config(bucket) -> str:
+def last_config(bucket, kernels=our_kernels) -> str:
     """The tile config of the bucket's last launch, e.g. ``BLOCK_N=16 GROUPS=32 ... warps=4``,
     and its register cap where it has one."""
-    config = BUCKET_KERNELS[bucket].best_config
+    config = kernels.BUCKET_KERNELS[bucket].best_config
     cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
     return " ".join(f"{key}={value}" for key, value in config.kwargs.items()) + f" warps={config.num_warps}{cap}"
 

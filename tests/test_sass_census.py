@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from coalesced_int4.kernels.rules import W4A16_REGISTER_CAPS, W4A16_TMA_STAGES
-from coalesced_int4.kernels.w4a16 import WAITED_DOT_MAX_ROWS
+from coalesced_int4.kernels.w4a16 import IN_PLACE_PARTIALS_BUCKET, WAITED_DOT_MAX_ROWS
 from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
 
 sys.path.insert(0, BENCHMARKS)
@@ -99,6 +99,31 @@ def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
     else:
         assert (fences, full_waits) == (128 // 16, 0)
 
+
+
+IN_PLACE = IN_PLACE_PARTIALS_BUCKET.value
+
+
+@pytest.mark.parametrize("bucket, batch_rows, stages", [
+    (IN_PLACE, IN_PLACE, 3), (IN_PLACE, 3 * IN_PLACE // 4, 3), (IN_PLACE, IN_PLACE, W4A16_TMA_STAGES[0]), (16, 16, 3),
+])
+def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_rows, stages):
+    """At ``IN_PLACE_PARTIALS_BUCKET`` with pointer copies, each thread stores its own
+    accumulator elements after the loop (one four-byte store an element, no shared-memory
+    staging, one barrier left); elsewhere ``tl.store`` stages them through shared memory into
+    wider stores."""
+    tma = stages in W4A16_TMA_STAGES
+    epilogue = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
+                                 "BLOCK_K": 128, "STAGES": stages, "TMA_ACTIVATIONS": tma, "INTERPRET": False},
+                       4)["epilogue"]
+    shared = sum(text.startswith(("STS", "LDS")) for text in epilogue)
+    global_stores = [text for text in epilogue if text.startswith("STG")]
+    if bucket == IN_PLACE and not tma:
+        # 64 weight rows x batch_rows fp32 over 128 threads, an element a store.
+        assert (shared, len(global_stores)) == (0, 64 * batch_rows // 128)
+        assert all(text.startswith("STG.E ") for text in global_stores)
+    else:
+        assert shared > 0 and len(global_stores) < 64 * batch_rows // 128
 
 # Each kernel launched with programmatic dependent launch, compiled as ``dependent_launch``
 # says: the PTX (in program order, the wait first in the entry block) of each.

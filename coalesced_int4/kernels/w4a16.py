@@ -286,19 +286,45 @@ def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns):
     return tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
 
 
+IN_PLACE_PARTIALS_BUCKET = tl.constexpr(64)
+"""The bucket whose split-K partials each thread stores from the accumulator's own registers
+(``_store_in_place``) where its activations come by pointers. ``tl.store`` first moves the
+accumulator to a store-friendly layout through shared memory (stores, barriers, loads): at
+bucket 64's (64, 128, 3) config 192 instructions after the main loop against 153 in place
+(offline sm_90), and the loop's schedule follows its epilogue. On the H200, in one process
+with the same bits, in place was 3.3-3.4 % faster on 4096x4096 at M = 49-64 (split 4) and
+0.8 % on 6144x4096, level on 6656x4096 and 8448x6656 at M = 64, but 0.8-0.9 % slower on
+bucket 64's TMA configs (4096x14336 and 39936x6656 at M = 64) and 1.1-2.7 % slower at
+buckets 8 and 16 on 4096x4096 (docs/benchmarks.md, session 32)."""
+
+
 @triton.jit
 def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, BUCKET: tl.constexpr,
                 BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
     """Store ``acc`` [BLOCK_N, R], accumulator rows ``first_row`` .. ``first_row + R - 1``,
     to their batch rows where ``batch_rows`` stores them: bf16 outputs, or fp32 partials
-    where ``PARTIAL``."""
+    where ``PARTIAL`` (in place where ``IN_PLACE_PARTIALS_BUCKET`` says; the interpreter has
+    no inline PTX)."""
     rows, stored = batch_rows(first_row + tl.arange(0, acc.shape[1]), M, BUCKET, BATCH_ROWS, WINDOWS)
     ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & stored[None, :]
     if not PARTIAL:
         tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
+    elif BUCKET == IN_PLACE_PARTIALS_BUCKET and not WINDOWS and not INTERPRET:
+        _store_in_place(ptrs, acc, mask)
     else:
         tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _store_in_place(ptrs, values, mask):
+    """``tl.store(ptrs, values, mask=mask)`` of fp32 ``values``, each element stored by the
+    thread that holds it, in the layout it has: one predicated ``st.global.f32`` an element.
+    A warp's stores still fill whole 32-byte sectors (in the tensor-core accumulator's layout a
+    quad holds eight consecutive columns of a batch row)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred stored; setp.ne.b32 stored, $3, 0; @stored st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

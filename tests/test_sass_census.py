@@ -100,7 +100,6 @@ def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
         assert (fences, full_waits) == (128 // 16, 0)
 
 
-
 IN_PLACE = IN_PLACE_PARTIALS_BUCKET.value
 
 
@@ -110,7 +109,7 @@ IN_PLACE = IN_PLACE_PARTIALS_BUCKET.value
 def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_rows, stages):
     """At ``IN_PLACE_PARTIALS_BUCKET`` with pointer copies, each thread stores its own
     accumulator elements after the loop (one four-byte store an element, no shared-memory
-    staging, one barrier left); elsewhere ``tl.store`` stages them through shared memory into
+    staging); elsewhere ``tl.store`` stages them through shared memory into
     wider stores."""
     tma = stages in W4A16_TMA_STAGES
     epilogue = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
@@ -124,6 +123,7 @@ def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_r
         assert all(text.startswith("STG.E ") for text in global_stores)
     else:
         assert shared > 0 and len(global_stores) < 64 * batch_rows // 128
+
 
 # Each kernel launched with programmatic dependent launch, compiled as ``dependent_launch``
 # says: the PTX (in program order, the wait first in the entry block) of each.

@@ -13,12 +13,14 @@
 #   profile         Nsight Compute counters of tuned launches (PROFILE_TILE, PROFILE_SPLIT: one
 #                   W4A16 config instead), with per-SASS-line stall samples (stall_lines.py)
 #   l2              L2 -> SM read bandwidth (l2_bandwidth.py)
+#   reduce          the split-K reduction alone at every width (bench_reduce.py; REDUCE_NS,
+#                   REDUCE_MS, REDUCE_SPLITS)
 #   autotune        cold and warm tuning benchmark
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3)
 #   attention       decode attention against SDPA
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [ab] [profile] [l2] [autotune] [decode] [decode-profile] [attention]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [ab] [profile] [l2] [reduce] [autotune] [decode] [decode-profile] [attention]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -97,6 +99,10 @@ for step in $steps; do
     l2)
       timeout "${L2_S:-120}" python benchmarks/l2_bandwidth.py > "$out/l2.log" 2>&1
       grep -E "^\||^#|Error" "$out/l2.log" ;;
+    reduce)
+      timeout "${REDUCE_S:-120}" python benchmarks/bench_reduce.py ${REDUCE_NS:+--ns $REDUCE_NS} \
+        ${REDUCE_MS:+--ms $REDUCE_MS} ${REDUCE_SPLITS:+--splits $REDUCE_SPLITS} > "$out/reduce.log" 2>&1
+      grep -E "^\||^#|Error" "$out/reduce.log" ;;
     autotune)
       timeout "${AUTOTUNE_S:-420}" python benchmarks/bench_autotune.py ${AUTOTUNE_BUCKETS:+--buckets $AUTOTUNE_BUCKETS} --json "$out/autotune.json" \
         > "$out/autotune.log" 2>&1

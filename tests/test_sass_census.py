@@ -13,7 +13,7 @@ from coalesced_int4.kernels.w4a16 import IN_PLACE_PARTIALS_BUCKET, WAITED_DOT_MA
 from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
 
 sys.path.insert(0, BENCHMARKS)
-from sass_census import after_loop, main_loop  # noqa: E402  (pure text work: safe under the interpreter)
+from sass_census import after_loop, main_loop, opcode  # noqa: E402  (pure text work: safe under the interpreter)
 
 # Run apart from this process: the suite imports the kernels under Triton's interpreter, which
 # cannot be compiled for a GPU target.
@@ -115,8 +115,8 @@ def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_r
     epilogue = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
                                  "BLOCK_K": 128, "STAGES": stages, "TMA_ACTIVATIONS": tma, "INTERPRET": False},
                        4)["epilogue"]
-    shared = sum(text.startswith(("STS", "LDS")) for text in epilogue)
-    global_stores = [text for text in epilogue if text.startswith("STG")]
+    shared = sum(opcode(text) in ("STS", "LDS") for text in epilogue)
+    global_stores = [text for text in epilogue if opcode(text) == "STG"]
     if bucket == IN_PLACE and not tma:
         # 64 weight rows x batch_rows fp32 over 128 threads, an element a store.
         assert (shared, len(global_stores)) == (0, 64 * batch_rows // 128)

@@ -79,13 +79,15 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
     assert not any(text.startswith("S2R") for text in loop)
 
 
-@pytest.mark.parametrize("bucket, batch_rows", [(16, 16), (32, 32), (64, 64), (64, 48)])
-def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
-    """A dot of up to ``WAITED_DOT_MAX_ROWS`` activation rows issues a trip's eight
-    ``HGMMA``s behind one fence and one wait for the whole dot; a wider one Triton
-    pipelines across trips in 16-wide pieces of K, each behind its own fence. Bucket 64 at
-    48 rows runs two dots on the same decoded weights (32 and 16 rows), both left whole."""
-    loop = _census("w4a16", {"PARTIAL": True, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
+@pytest.mark.parametrize("bucket, batch_rows, partial", [
+    (16, 16, False), (32, 32, False), (64, 64, False), (64, 64, True), (64, 48, False)])
+def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows, partial):
+    """A dot of up to ``WAITED_DOT_MAX_ROWS`` activation rows, or any dot of a split-K
+    program, issues a trip's eight ``HGMMA``s behind one fence and one wait for the whole
+    dot; a wider one Triton pipelines across trips in 16-wide pieces of K, each behind its
+    own fence. Bucket 64 at 48 rows runs two dots on the same decoded weights (32 and 16
+    rows), both left whole."""
+    loop = _census("w4a16", {"PARTIAL": partial, "BUCKET": bucket, "BATCH_ROWS": batch_rows, "BLOCK_N": 64,
                              "BLOCK_K": 128, "STAGES": 3, "TMA_ACTIVATIONS": False, "INTERPRET": False},
                     4)["main_loop"]
     fences = sum(text.startswith("WARPGROUP.ARRIVE") for text in loop)
@@ -94,7 +96,7 @@ def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows):
     assert {text.split()[0] for text in loop if text.startswith("HGMMA")} == {
         f"HGMMA.64x{rows}x16.F32.BF16" for rows in rows_per_dot}
     assert sum(text.startswith("HGMMA") for text in loop) == len(rows_per_dot) * 128 // 16
-    if max(rows_per_dot) <= WAITED_DOT_MAX_ROWS:
+    if max(rows_per_dot) <= WAITED_DOT_MAX_ROWS or partial:
         assert fences == full_waits == len(rows_per_dot)
     else:
         assert (fences, full_waits) == (128 // 16, 0)

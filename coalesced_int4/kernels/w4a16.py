@@ -203,14 +203,17 @@ def _decode(words, groups, INTERPRET: tl.constexpr):
 
 
 WAITED_DOT_MAX_ROWS = tl.constexpr(32)
-"""The most activation rows a dot may have and still complete within its trip. Triton
+"""The most activation rows a dot of a program writing bf16 outputs may have and still
+complete within its trip; a split-K program's (``PARTIAL``) dots always do. Triton
 pipelines a dot whose left operand is in registers across trips by splitting it into 16-wide
 pieces of K, each with its own fence, wait and shared-memory descriptor: 33 and 41
 instructions of a 128-weight trip at buckets 16 and 32 (offline sm_90; bucket 8's
 ``mma.sync`` dot is never split). Waiting for the whole dot at the end of its trip costs the
 tensor cores' time for it instead, which grows with its rows. On the H200 that was 1-7 %
 faster at M = 16 and 32 on SPEC's shapes but 4096x4096 at M = 32 (1.5 % slower), and from
-1 % faster to 5 % slower for bucket 64's 64-row dot (docs/benchmarks.md, session 18)."""
+1 % faster to 5 % slower for bucket 64's 64-row dot (docs/benchmarks.md, session 18). Under
+the in-place partials (``IN_PLACE_PARTIALS_BUCKET``) the waited 64-row dot made bucket 64's
+split-K programs 0.5-4.5 % faster and its split-1 programs level to 0.9 % slower (session 33)."""
 
 
 @triton.jit
@@ -405,7 +408,7 @@ def _w4a16_kernel(
     if TMA_ACTIVATIONS:
         head_windows = activation_windows(x_ptr, M, K, stride_xm, BUCKET, BATCH_ROWS, HEAD_ROWS, BLOCK_K)
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
-        if HEAD_ROWS <= WAITED_DOT_MAX_ROWS:
+        if HEAD_ROWS <= WAITED_DOT_MAX_ROWS or PARTIAL:
             acc = _completed(acc, INTERPRET)
         if TAIL_ROWS > 0:  # a quarter of the bucket, always within WAITED_DOT_MAX_ROWS
             tail_acc = _completed(tail_acc, INTERPRET)

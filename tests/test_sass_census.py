@@ -81,7 +81,7 @@ def test_w4a16_group_scales_reach_the_decode_without_shared_memory(bucket):
 
 @pytest.mark.parametrize("bucket, batch_rows, partial", [
     (16, 16, False), (32, 32, False), (64, 64, False), (64, 64, True), (64, 48, False)])
-def test_w4a16_dots_are_left_whole_up_to_the_waited_rows(bucket, batch_rows, partial):
+def test_w4a16_dots_are_left_whole_up_to_the_waited_rows_and_in_split_k_programs(bucket, batch_rows, partial):
     """A dot of up to ``WAITED_DOT_MAX_ROWS`` activation rows, or any dot of a split-K
     program, issues a trip's eight ``HGMMA``s behind one fence and one wait for the whole
     dot; a wider one Triton pipelines across trips in 16-wide pieces of K, each behind its

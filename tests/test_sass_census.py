@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from coalesced_int4.kernels.rules import W4A16_REGISTER_CAPS, W4A16_TMA_STAGES
-from coalesced_int4.kernels.w4a16 import IN_PLACE_PARTIALS_BUCKET, WAITED_DOT_MAX_ROWS
+from coalesced_int4.kernels.w4a16 import IN_PLACE_PARTIALS_BUCKET, dot_waited_within_trip, partials_stored_in_place
 from tests.conftest import BENCHMARKS, ROOT, run_compiling_python
 
 sys.path.insert(0, BENCHMARKS)
@@ -96,7 +96,7 @@ def test_w4a16_dots_are_left_whole_up_to_the_waited_rows_and_in_split_k_programs
     assert {text.split()[0] for text in loop if text.startswith("HGMMA")} == {
         f"HGMMA.64x{rows}x16.F32.BF16" for rows in rows_per_dot}
     assert sum(text.startswith("HGMMA") for text in loop) == len(rows_per_dot) * 128 // 16
-    if max(rows_per_dot) <= WAITED_DOT_MAX_ROWS or partial:
+    if dot_waited_within_trip(max(rows_per_dot), partial):
         assert fences == full_waits == len(rows_per_dot)
     else:
         assert (fences, full_waits) == (128 // 16, 0)
@@ -119,7 +119,7 @@ def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_r
                        4)["epilogue"]
     shared = sum(opcode(text) in ("STS", "LDS") for text in epilogue)
     global_stores = [text for text in epilogue if opcode(text) == "STG"]
-    if bucket == IN_PLACE and not tma:
+    if partials_stored_in_place(bucket, tma):
         # 64 weight rows x batch_rows fp32 over 128 threads, an element a store.
         assert (shared, len(global_stores)) == (0, 64 * batch_rows // 128)
         assert all(text.startswith("STG.E ") for text in global_stores)

@@ -216,6 +216,13 @@ the in-place partials (``IN_PLACE_PARTIALS_BUCKET``) the waited 64-row dot made 
 split-K programs 0.5-4.5 % faster and its split-1 programs level to 0.9 % slower (session 33)."""
 
 
+@triton.constexpr_function
+def dot_waited_within_trip(rows, partial):
+    """Whether a dot of ``rows`` activation rows completes within its trip
+    (``WAITED_DOT_MAX_ROWS``): the kernel's rule, read by the SASS census tests too."""
+    return rows <= WAITED_DOT_MAX_ROWS.value or partial
+
+
 @triton.jit
 def batch_rows(offs_m, M, BUCKET: tl.constexpr, BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr):
     """(row, stored): the batch row each accumulator row ``offs_m`` stands for, and whether
@@ -301,19 +308,27 @@ bucket 64's TMA configs (4096x14336 and 39936x6656 at M = 64) and 1.1-2.7 % slow
 buckets 8 and 16 on 4096x4096 (docs/benchmarks.md, session 32)."""
 
 
+@triton.constexpr_function
+def partials_stored_in_place(bucket, windows):
+    """Whether a split-K program of ``bucket`` stores its partials in place (``_store_in_place``);
+    ``windows``: its activations come by TMA (``batch_rows``). The kernel's rule, read by the
+    SASS census tests too."""
+    return bucket == IN_PLACE_PARTIALS_BUCKET.value and not windows
+
+
 @triton.jit
 def _store_rows(acc, out_ptr, first_row, offs_n, n_mask, M, stride_om, BUCKET: tl.constexpr,
                 BATCH_ROWS: tl.constexpr, WINDOWS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
     """Store ``acc`` [BLOCK_N, R], accumulator rows ``first_row`` .. ``first_row + R - 1``,
     to their batch rows where ``batch_rows`` stores them: bf16 outputs, or fp32 partials
-    where ``PARTIAL`` (in place where ``IN_PLACE_PARTIALS_BUCKET`` says; the interpreter has
+    where ``PARTIAL`` (in place where ``partials_stored_in_place`` says; the interpreter has
     no inline PTX)."""
     rows, stored = batch_rows(first_row + tl.arange(0, acc.shape[1]), M, BUCKET, BATCH_ROWS, WINDOWS)
     ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & stored[None, :]
     if not PARTIAL:
         tl.store(ptrs, to_bf16(acc, INTERPRET), mask=mask)
-    elif BUCKET == IN_PLACE_PARTIALS_BUCKET and not WINDOWS and not INTERPRET:
+    elif partials_stored_in_place(BUCKET, WINDOWS) and not INTERPRET:
         _store_in_place(ptrs, acc, mask)
     else:
         tl.store(ptrs, acc, mask=mask)
@@ -408,7 +423,7 @@ def _w4a16_kernel(
     if TMA_ACTIVATIONS:
         head_windows = activation_windows(x_ptr, M, K, stride_xm, BUCKET, BATCH_ROWS, HEAD_ROWS, BLOCK_K)
     for trip in tl.range(first_trip, last_trip + 1, num_stages=STAGES):
-        if HEAD_ROWS <= WAITED_DOT_MAX_ROWS or PARTIAL:
+        if dot_waited_within_trip(HEAD_ROWS, PARTIAL):
             acc = _completed(acc, INTERPRET)
         if TAIL_ROWS > 0:  # a quarter of the bucket, always within WAITED_DOT_MAX_ROWS
             tail_acc = _completed(tail_acc, INTERPRET)

@@ -5,9 +5,10 @@
 #   picks           the compile-time pick test, alone (it saturates every CPU core)
 #   gemm            kernel benchmark
 #   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS: split-K values, default the
-#                   family's up to 8) once per source tree in SWEEP_TREES (folders
-#                   holding coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH
-#                   coalesced_int4 benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
+#                   family's up to 8; SWEEP_TILES: only these tiles, as sweep_configs.py's
+#                   --tiles) once per source tree in SWEEP_TREES (folders holding
+#                   coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH coalesced_int4
+#                   benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
 #   ab              in-process A/B of the GEMMs of source trees (ab_trees.py): AB_TREES="BASE
 #                   VARIANT..." (folders holding coalesced_int4/), AB_CASES (NxKxM,...), AB_ROUNDS
 #   profile         Nsight Compute counters of tuned launches (PROFILE_TILE, PROFILE_SPLIT: one
@@ -66,7 +67,7 @@ for step in $steps; do
         COALESCED_INT4_CACHE_DIR=$(mktemp -d) PYTHONPATH=$tree:$PYTHONPATH timeout "${SWEEP_S:-150}" \
           python "$sweep" --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
           --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
-          ${SWEEP_SPLITS:+--splits $SWEEP_SPLITS} --json "$log.json" > "$log.log" 2>&1
+          ${SWEEP_SPLITS:+--splits $SWEEP_SPLITS} ${SWEEP_TILES:+--tiles $SWEEP_TILES} --json "$log.json" > "$log.log" 2>&1
         grep -E "^\||^#" "$log.log" | cut -c1-440 | tail -16
       done ;;
     ab)

@@ -7,6 +7,7 @@ by a pool of processes sharing Triton's cache, so the timing phase compiles noth
 per (N, K, M), the fastest entries and the shipped autotuner's own pick; JSON has every time.
 
     python benchmarks/sweep_configs.py --family w4a8 --shapes 8448x6656 --ms 1,4 [--json out.json]
+    python benchmarks/sweep_configs.py --family w4a16 --shapes 4096x4096 --ms 64 --tiles 64x128x4,64x128x8
 """
 
 from __future__ import annotations
@@ -50,6 +51,26 @@ VARIANTS = {"w4a8": [{"prequantize": p} for p in PREQUANTIZE_CANDIDATES], "w4a16
 """The family's launch parameters other than the split, each combination timed per entry."""
 
 
+def tile_of(entry: dict) -> str:
+    """A grid entry's tile as ``--tiles`` names it: BLOCK_NxBLOCK_Kxwarps (w4a16) or
+    BLOCK_NxGROUPSxwarps (w4a8)."""
+    return f"{entry['BLOCK_N']}x{entry.get('BLOCK_K', entry.get('GROUPS'))}x{entry['num_warps']}"
+
+
+def select_grid(family: str, tiles: Optional[str] = None) -> List[dict]:
+    """The family's grid, or its entries (every depth and variant) of the comma-separated
+    ``tiles``; a named tile the grid lacks raises ValueError naming it."""
+    grid = GRIDS[family]
+    if tiles is None:
+        return grid
+    wanted = tiles.split(",")
+    missing = sorted(set(wanted) - {tile_of(entry) for entry in grid})
+    if missing:
+        raise ValueError(f"--tiles: {', '.join(missing)} not in the {family} grid "
+                         f"({', '.join(sorted({tile_of(entry) for entry in grid}))})")
+    return [entry for entry in grid if tile_of(entry) in wanted]
+
+
 def compile_one(job) -> Optional[str]:
     """Compile (by launching once, on a small N) one entry at one (bucket, split, variant)."""
     entry, k, bucket, split, variant = job
@@ -69,6 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--shapes", default="8448x6656")
     parser.add_argument("--ms", default="1,4")
     parser.add_argument("--splits", default=None, help="split-K values (default: the family's candidates <= 8)")
+    parser.add_argument("--tiles", default=None, help="only these tiles of the grid, comma-separated: "
+                        "BLOCK_NxBLOCK_Kxwarps (w4a16) or BLOCK_NxGROUPSxwarps (w4a8)")
     parser.add_argument("--label", default="")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--json", default=None)
@@ -77,7 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ms = [int(v) for v in args.ms.split(",")]
     candidates = SPLIT_K_CANDIDATES if args.family == "w4a8" else TILE_SPLIT_K_CANDIDATES
     splits = [int(v) for v in args.splits.split(",")] if args.splits else [s for s in candidates if s <= 8]
-    grid = GRIDS[args.family]
+    try:
+        grid = select_grid(args.family, args.tiles)
+    except ValueError as error:
+        parser.error(str(error))
     for m in ms:
         if (bucket_for(m) in W4A8_BUCKETS) != (args.family == "w4a8"):
             parser.error(f"M={m} runs bucket {bucket_for(m)}, not the {args.family} family")

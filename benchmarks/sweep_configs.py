@@ -63,11 +63,11 @@ def select_grid(family: str, tiles: Optional[str] = None) -> List[dict]:
     grid = GRIDS[family]
     if tiles is None:
         return grid
-    wanted = tiles.split(",")
-    missing = sorted(set(wanted) - {tile_of(entry) for entry in grid})
+    wanted = set(tiles.split(","))
+    available = {tile_of(entry) for entry in grid}
+    missing = sorted(wanted - available)
     if missing:
-        raise ValueError(f"--tiles: {', '.join(missing)} not in the {family} grid "
-                         f"({', '.join(sorted({tile_of(entry) for entry in grid}))})")
+        raise ValueError(f"--tiles: {', '.join(missing)} not in the {family} grid ({', '.join(sorted(available))})")
     return [entry for entry in grid if tile_of(entry) in wanted]
 
 

@@ -16,6 +16,6 @@ setup(
         "tqdm",
         "numpy",
     ],
-    extras_require={"test": ["pytest", "psutil"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "psutil"]},
     entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
 )

@@ -3,7 +3,9 @@
 An experiment, not a kernel the library runs. It asked whether the shipped kernel's trip can be
 shortened by what Triton's pipeliner does not allow (docs/design.md, session 23). Timed on the
 H200 in session 24 (docs/benchmarks.md), no: its best variant, ``11``, gave the shipped bits at
-0.67-0.99x the shipped kernel's speed. What it tried:
+0.67-0.99x the shipped kernel's speed. It ran without dependent launch then, which the shipped
+kernel had. Re-timed with it in session 38, variant ``11`` read 0.97-0.98x on 4096x4096,
+14336x4096 and 6656x4096. What it tried:
 
 - **One fence and one whole 128-deep dot a trip, left in flight across the back-edge**
   (``warpgroup_mma_wait(1)``). The shipped kernel issues its dot in eight 16-deep pieces,
@@ -39,6 +41,7 @@ from typing import List, Optional
 
 import torch
 import triton
+from torch._library.triton import set_wrap_triton_enabled
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -221,14 +224,19 @@ def launch(x, qdata, scale, scale_step, zero_point, zero_point_step, *, split_k=
     target = out if split_k == 1 else torch.empty((split_k, ROWS, n), dtype=torch.float32, device=x.device)
     codes, scale_codes, zero_codes = (t.view(torch.int32) for t in (qdata, scale, zero_point))
     scale_steps, zero_steps = scale_step.view(torch.int16), zero_point_step.view(torch.int16)
-    gluon_w4a16_kernel[(triton.cdiv(n, ROWS), split_k)](
-        x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),
-        scale_codes.stride(0), scale_steps.stride(0), split_k, 0 if split_k == 1 else target.stride(0),
-        target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
-        WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x.device))
-    if split_k > 1:
-        grid, args, meta = reduction_launch(target, out, m)
-        _splitk_reduce_kernel[grid](*args, **meta)
+    # An eager launch, as the op makes one (int4_gemm.launch): outside it wrap_triton is
+    # enabled, and dependent_launch.options() would take both launches for traced ones and
+    # leave dependent launch off (sessions 23-37 timed this script so, against a shipped
+    # kernel that had it: docs/design.md, session 38).
+    with set_wrap_triton_enabled(False):
+        gluon_w4a16_kernel[(triton.cdiv(n, ROWS), split_k)](
+            x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),
+            scale_codes.stride(0), scale_steps.stride(0), split_k, 0 if split_k == 1 else target.stride(0),
+            target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
+            WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x.device))
+        if split_k > 1:
+            grid, args, meta = reduction_launch(target, out, m)
+            _splitk_reduce_kernel[grid](*args, **meta)
     return out
 
 

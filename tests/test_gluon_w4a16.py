@@ -32,3 +32,38 @@ def test_a_trip_is_one_fenced_dot_left_in_flight_with_no_shared_memory_layout_ro
         assert min(shuffles) > max(dots)
     else:
         assert max(shuffles) < min(dots)
+
+
+class _RecordedLaunches:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the keyword arguments."""
+
+    def __init__(self):
+        self.kwargs = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+def test_the_experiment_and_its_reduction_launch_with_dependent_launch_as_the_shipped_kernel_does(monkeypatch):
+    import torch
+
+    from coalesced_int4.kernels import dependent_launch, family
+    from tests.conftest import BENCHMARKS
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import gluon_w4a16
+
+    gemm, reduction = _RecordedLaunches(), _RecordedLaunches()
+    monkeypatch.setattr(gluon_w4a16, "gluon_w4a16_kernel", gemm)
+    monkeypatch.setattr(gluon_w4a16, "_splitk_reduce_kernel", reduction)
+    # A GPU with griddepcontrol, compiled rather than interpreted: what the H200 runs.
+    monkeypatch.setattr(dependent_launch, "has_griddepcontrol", lambda device: True)
+    monkeypatch.setattr(family, "INTERPRETER", False)
+    n, k = 64, 256
+    u8 = lambda *shape: torch.zeros(shape, dtype=torch.uint8)  # noqa: E731
+    steps = torch.zeros((n, k // 256), dtype=torch.float16)
+    gluon_w4a16.launch(torch.zeros((64, k), dtype=torch.bfloat16), u8(n, k // 2), u8(n, k // 32), steps,
+                       u8(n, k // 32), steps, split_k=2)
+    for launched in (gemm, reduction):
+        assert len(launched.kwargs) == 1
+        assert launched.kwargs[0]["DEPENDENT_LAUNCH"] and launched.kwargs[0]["launch_pdl"]

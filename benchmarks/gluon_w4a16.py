@@ -224,10 +224,8 @@ def launch(x, qdata, scale, scale_step, zero_point, zero_point_step, *, split_k=
     target = out if split_k == 1 else torch.empty((split_k, ROWS, n), dtype=torch.float32, device=x.device)
     codes, scale_codes, zero_codes = (t.view(torch.int32) for t in (qdata, scale, zero_point))
     scale_steps, zero_steps = scale_step.view(torch.int16), zero_point_step.view(torch.int16)
-    # An eager launch, as the op makes one (int4_gemm.launch): outside it wrap_triton is
-    # enabled, and dependent_launch.options() would take both launches for traced ones and
-    # leave dependent launch off (sessions 23-37 timed this script so, against a shipped
-    # kernel that had it: docs/design.md, session 38).
+    # An eager launch, as the op makes one (int4_gemm.launch): outside the op wrap_triton is
+    # enabled, and dependent_launch.options() would turn dependent launch off.
     with set_wrap_triton_enabled(False):
         gluon_w4a16_kernel[(triton.cdiv(n, ROWS), split_k)](
             x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),

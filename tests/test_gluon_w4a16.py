@@ -3,8 +3,10 @@ kernel. Its numbers mean that only if its loop is what it claims: checked offlin
 SASS (Triton's bundled ptxas, no GPU needed)."""
 
 import pytest
+import torch
 
-from tests.conftest import sm90_main_loop
+from coalesced_int4.kernels import dependent_launch, family
+from tests.conftest import BENCHMARKS, sm90_main_loop
 
 POINTERS = {"x_ptr": "*bf16", "q_ptr": "*i32", "sc_ptr": "*i32", "ss_ptr": "*i16", "zc_ptr": "*i32",
             "zs_ptr": "*i16", "out_ptr": "*bf16"}
@@ -45,13 +47,8 @@ class _RecordedLaunches:
 
 
 def test_the_experiment_and_its_reduction_launch_with_dependent_launch_as_the_shipped_kernel_does(monkeypatch):
-    import torch
-
-    from coalesced_int4.kernels import dependent_launch, family
-    from tests.conftest import BENCHMARKS
-
     monkeypatch.syspath_prepend(BENCHMARKS)
-    import gluon_w4a16
+    import gluon_w4a16  # the benchmarks folder is on the path only for this test
 
     gemm, reduction = _RecordedLaunches(), _RecordedLaunches()
     monkeypatch.setattr(gluon_w4a16, "gluon_w4a16_kernel", gemm)

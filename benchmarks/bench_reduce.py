@@ -5,9 +5,8 @@ GEMM that wrote them) reduced into bf16 ``[M, N]`` by ``_splitk_reduce_kernel`` 
 launch ``launch_split_k_gemm`` uses (``reduction_launch``) at every width of
 ``REDUCE_WIDTHS``, the one ``reduce_width`` picks marked with *, timed with
 ``triton.testing.do_bench_cudagraph`` (a CUDA graph of back-to-back launches); an empty
-kernel timed the same way gives the floor. Called outside the family's launch, the
-reductions run without dependent launch (``dependent_launch.options``), so one does not
-overlap the next.
+kernel timed the same way gives the floor. The reductions run without dependent launch
+(``DEPENDENT_LAUNCH=False``), so that one does not overlap the next.
 
     python benchmarks/bench_reduce.py --ns 8448,4096,14336,256 --ms 16,64 --splits 2,4,8,16
 """
@@ -52,6 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 times = []
                 for width in REDUCE_WIDTHS:
                     grid, launch_args, meta = reduction_launch(partials, out, m, width=width)
+                    meta = {**meta, "DEPENDENT_LAUNCH": False}
+                    meta.pop("launch_pdl", None)
                     reduce = functools.partial(_splitk_reduce_kernel[grid], *launch_args, **meta)
                     times.append(f"{do_bench_cudagraph(reduce, rep=200) * 1e3:.2f}{'*' if width == picked else ''}")
                 print(f"| {n} | {m} | {split} | {' | '.join(times)} |", flush=True)

@@ -41,7 +41,6 @@ from typing import List, Optional
 
 import torch
 import triton
-from torch._library.triton import set_wrap_triton_enabled
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -224,17 +223,14 @@ def launch(x, qdata, scale, scale_step, zero_point, zero_point_step, *, split_k=
     target = out if split_k == 1 else torch.empty((split_k, ROWS, n), dtype=torch.float32, device=x.device)
     codes, scale_codes, zero_codes = (t.view(torch.int32) for t in (qdata, scale, zero_point))
     scale_steps, zero_steps = scale_step.view(torch.int16), zero_point_step.view(torch.int16)
-    # An eager launch, as the op makes one (int4_gemm.launch): outside the op wrap_triton is
-    # enabled, and dependent_launch.options() would turn dependent launch off.
-    with set_wrap_triton_enabled(False):
-        gluon_w4a16_kernel[(triton.cdiv(n, ROWS), split_k)](
-            x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),
-            scale_codes.stride(0), scale_steps.stride(0), split_k, 0 if split_k == 1 else target.stride(0),
-            target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
-            WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x.device))
-        if split_k > 1:
-            grid, args, meta = reduction_launch(target, out, m)
-            _splitk_reduce_kernel[grid](*args, **meta)
+    gluon_w4a16_kernel[(triton.cdiv(n, ROWS), split_k)](
+        x, codes, scale_codes, scale_steps, zero_codes, zero_steps, target, n, k, x.stride(0), codes.stride(0),
+        scale_codes.stride(0), scale_steps.stride(0), split_k, 0 if split_k == 1 else target.stride(0),
+        target.stride(-2), STAGES=stages, PARTIAL=split_k > 1, GROUPS_AHEAD=groups_ahead,
+        WORDS_AHEAD=words_ahead, num_warps=4, **dependent_launch.options(x))
+    if split_k > 1:
+        grid, args, meta = reduction_launch(target, out, m)
+        _splitk_reduce_kernel[grid](*args, **meta)
     return out
 
 

@@ -27,7 +27,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch._library.triton import is_wrap_triton_enabled
+from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels import family
 
@@ -42,11 +42,13 @@ def has_griddepcontrol(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
-def options(device: torch.device) -> dict:
-    """The kernel arguments of a launch on ``device``: ``DEPENDENT_LAUNCH`` for the kernel,
-    and ``launch_pdl`` for Triton's launcher where it is on. Called inside the family's
-    launch, where wrap_triton is enabled only while tracing (``int4_gemm.launch``)."""
-    enabled = not family.INTERPRETER and not is_wrap_triton_enabled() and has_griddepcontrol(device)
+def options(tensor: torch.Tensor) -> dict:
+    """The kernel arguments of a launch that reads or writes ``tensor``: ``DEPENDENT_LAUNCH``
+    for the kernel, and ``launch_pdl`` for Triton's launcher where it is on. On for a real
+    tensor on a device with ``griddepcontrol``, whoever launches (the op, its autotuner's
+    timing, a benchmark calling a launcher itself); off for a fake one (tracing records the
+    launch) and under the interpreter."""
+    enabled = not family.INTERPRETER and not is_fake(tensor) and has_griddepcontrol(tensor.device)
     return {"DEPENDENT_LAUNCH": enabled, "launch_pdl": True} if enabled else {"DEPENDENT_LAUNCH": False}
 
 

@@ -113,7 +113,7 @@ def reduction_launch(partials, out, m, short_columns=0, width=None):
     grid = (triton.cdiv(n, width), m)
     args = (partials, out, n, partials.stride(0), partials.stride(1), out.stride(0), short_columns)
     return grid, args, dict(SPLIT_K=split_k, BLOCK_N=width, INTERPRET=family.INTERPRETER, num_warps=4,
-                            **dependent_launch.options(out.device))
+                            **dependent_launch.options(out))
 
 
 def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activation_strides, weights,
@@ -153,7 +153,7 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
             scale_step.stride(0), split_k, *grid_args, stride_s, target.stride(-2))
     kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
-              **dependent_launch.options(qdata.device), **grid_constants, **(constants or {})}
+              **dependent_launch.options(qdata), **grid_constants, **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.launchable(kernel)[grid](*args, **kwargs)

@@ -164,7 +164,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, k // 32 * WORDS_PER_GROUP), dtype=torch.int32, device=x.device)
     launch_or_queue(family.launchable(_quantize_kernel), (triton.cdiv(k // 32, QUANTIZE_GROUPS), m),
                     x, out, k, x.stride(0), out.stride(0), GROUPS=QUANTIZE_GROUPS,
-                    INTERPRET=family.INTERPRETER, num_warps=4, **dependent_launch.options(x.device))
+                    INTERPRET=family.INTERPRETER, num_warps=4, **dependent_launch.options(x))
     return out
 
 

@@ -45,7 +45,7 @@ for step in $steps; do
       # (session 20: 149 tests over 8 workers ran past 310 s, one unfinished and unnamed).
       timeout "${TESTS_S:-420}" python -m pytest -v -rfs -p no:cacheprovider --durations=15 \
         ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py tests/test_decode_attention.py \
-        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py} \
+        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py tests/test_carveout.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/tests.log" | cut -c1-300 | tail -25 ;;
     picks)

@@ -34,6 +34,7 @@ import struct
 import triton
 import triton.language as tl
 
+from coalesced_int4.kernels.carveout import fitted_to_grid, report_grid
 from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
 from coalesced_int4.kernels.rules import CODE_WORD, balanced_short_columns, multiprocessors, w4a16_batch_rows
@@ -345,7 +346,7 @@ def _store_in_place(ptrs, values, mask):
         "=r,l,r,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
+@triton.jit(launch_metadata=report_grid)
 def _w4a16_kernel(
     x_ptr, q_ptr, sc_ptr, ss_ptr, zc_ptr, zs_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_cn, stride_sn, split_k, short_columns, stride_os, stride_om,
@@ -454,13 +455,15 @@ def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
     ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives, split ``split_k``
     ways on the plain grid or a ``balanced`` one (``rules.balanced_short_columns``), with
-    global scratch for the configs that make tensor descriptors."""
+    global scratch for the configs that make tensor descriptors and each launch's shared
+    memory carveout fitted to its grid (``carveout``)."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     short_columns = balanced_short_columns(qdata.shape[0], split_k, multiprocessors(x.device)) if balanced else 0
     words = (qdata.view(CODE_WORD), scale.view(CODE_WORD), scale_step, zero_point.view(CODE_WORD), zero_point_step)
     m = x.shape[0]
-    return with_scratch(x.device, lambda: launch_split_k_gemm(
-        kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
-        activations=(x,), activation_strides=(x.stride(0),), weights=words,
-        constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
-    ))
+    with fitted_to_grid():
+        return with_scratch(x.device, lambda: launch_split_k_gemm(
+            kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
+            activations=(x,), activation_strides=(x.stride(0),), weights=words,
+            constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
+        ))

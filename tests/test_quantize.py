@@ -70,7 +70,9 @@ def slow_reference_quantize(w: torch.Tensor) -> PackedInt4:
 
 
 def _edge_case_weight() -> torch.Tensor:
-    w = torch.randn(6, 512, dtype=torch.float32)
+    # Its own generator: the rows' random values set each super-block's scale step, so the
+    # global generator's state would make the tests below depend on which tests ran first.
+    w = torch.randn(6, 512, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     w[0] = 0.0  # all-zero row
     w[1, :32] = 3.5  # constant positive group
     w[1, 32:64] = -2.25  # constant negative group
@@ -111,8 +113,11 @@ def test_edge_cases_dequantize_as_the_format_promises():
     w = _edge_case_weight()
     dense = dequantize_packed(quantize_weight(w), torch.float32)
     assert torch.equal(dense[0], torch.zeros(512))  # all-zero row is exactly zero
-    assert torch.allclose(dense[1, :32], torch.full((32,), 3.5), rtol=5e-3)
-    assert torch.allclose(dense[1, 32:64], torch.full((32,), -2.25), rtol=5e-3)
+    # A constant group comes back within half a step of its scale code (up to 0.6 % where
+    # its scale is a third of the super-block's largest) and bf16's roundings: 1 %. The
+    # worst of 1000 random rows was 0.86 %.
+    assert torch.allclose(dense[1, :32], torch.full((32,), 3.5), rtol=1e-2)
+    assert torch.allclose(dense[1, 32:64], torch.full((32,), -2.25), rtol=1e-2)
     assert torch.equal(dense[1, 64:96], torch.zeros(32))
     # Groups far below their super-block's max lose their scale code: they decode to zero.
     assert torch.equal(dense[2, :32], torch.zeros(32))

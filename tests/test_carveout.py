@@ -150,7 +150,7 @@ def test_an_eager_launch_leaves_the_carveout_its_grid_wants_and_the_default_carv
         fitted = gemm()
         function, percent = recorded_sets[-1]
         assert percent == _wanted(n, function)
-        assert carveout.carveout(function) == percent
+        assert carveout.preferred_carveout(function) == percent
         carveout.set_carveout(function, -1)  # the hook still holds its own: the next launch keeps -1
         assert torch.equal(gemm(), fitted), n
     assert len({function for function, percent in recorded_sets if percent >= 0}) == 1  # one binary

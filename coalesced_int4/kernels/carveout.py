@@ -115,11 +115,13 @@ def occupancy(function: int, threads: int, shared: int) -> int:
 
 
 def set_carveout(function: int, percent: int) -> None:
+    """Ask the driver to give a compiled function's launches ``percent`` of the largest shared
+    memory (rounded up to a size the SM has)."""
     _driver("cuFuncSetAttribute", ctypes.c_void_p(function),
             ctypes.c_int(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), ctypes.c_int(percent))
 
 
-def carveout(function: int) -> int:
+def preferred_carveout(function: int) -> int:
     """The carveout a compiled function has now (-1: none asked for)."""
     value = ctypes.c_int()
     _driver("cuFuncGetAttribute", ctypes.byref(value), ctypes.c_int(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT),
@@ -145,6 +147,7 @@ class Fitter:
         function = launch.data["function"]
         if function not in self.occupancy:
             self.occupancy[function] = occupancy(function, threads, shared)
+        # Triton launches on the current device, whose function handle this is.
         percent = carveout_percent(programs, self.occupancy[function], shared,
                                    shared_memory(torch.cuda.current_device()))
         if self.carveout.get(function) != percent:

@@ -37,7 +37,8 @@ import threading
 import torch
 import triton
 
-_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+from coalesced_int4.kernels.rules import multiprocessors
+
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
 _CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK = 111
 CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
@@ -91,7 +92,7 @@ def _driver(name: str, *args) -> None:
 
 @functools.lru_cache(maxsize=None)
 def shared_memory(device_index: int) -> SharedMemory:
-    """The driver's answer for CUDA device ``device_index``, asked once."""
+    """CUDA device ``device_index``'s, asked once (the SM count as the balanced grids ask it)."""
     device = ctypes.c_int()
     _driver("cuDeviceGet", ctypes.byref(device), ctypes.c_int(device_index))
 
@@ -100,7 +101,7 @@ def shared_memory(device_index: int) -> SharedMemory:
         _driver("cuDeviceGetAttribute", ctypes.byref(value), ctypes.c_int(code), device)
         return value.value
 
-    return SharedMemory(sms=attribute(_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+    return SharedMemory(sms=multiprocessors(torch.device("cuda", device_index)),
                         per_sm=attribute(_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
                         reserved_per_program=attribute(_CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK))
 

@@ -9,9 +9,10 @@ in two processes moves by about that much on its own (session 30: 14336x4096 at 
 mention of the package renamed, so its modules and its torch op namespace register apart),
 each case is tuned once by the baseline (the first tree), and its pick (tile config and launch
 parameters) runs on every tree, so the comparison is of the kernel code alone and the outputs
-must be bit-identical. Rounds alternate the trees case by case; the report gives each tree's
-median over the rounds, its ratio to the baseline's (median and round by round), and bf16
-``F.linear`` once a case for scale; the exit status is 1 where any output's bits differ.
+must be bit-identical. In each round of a case the trees and bf16 ``F.linear`` take turns,
+each round starting with the next of them (``bench_gemm.time_in_rounds``); the report gives
+each tree's median over the rounds, its ratio to the baseline's (median and round by round),
+and bf16's median for scale; the exit status is 1 where any output's bits differ.
 Timing is SPEC section 11's (CUDA graphs rotating over weight copies beyond twice the L2).
 
     python benchmarks/ab_trees.py BASELINE VARIANT [VARIANT ...] [--cases 4096x4096x64,...] [--rounds 3] [--json F]
@@ -30,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -39,14 +39,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
     INT4_BYTES_PER_WEIGHT,
-    bench_bf16,
+    bf16_calls,
     bucket_for,
     last_config,
     random_int4_weights,
+    time_in_rounds,
     tuned_launch_params,
 )
 
-from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us  # noqa: E402
+from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2  # noqa: E402
 
 PACKAGE = "coalesced_int4"
 # The cells nearest bf16 at M = 49-64 (sessions 26-30), 39936x6656 at M = 64 (the capped
@@ -83,8 +84,8 @@ def parse_cases(text: str) -> List[Tuple[int, int, int]]:
 
 
 def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
-    """One case: each tree's µs per round (the trees in alternation), bf16's µs, and which
-    trees' outputs are bit-identical to the first tree's."""
+    """One case: each tree's µs per round, bf16's median µs (the trees and bf16 take turns,
+    ``time_in_rounds``), and which trees' outputs are bit-identical to the first tree's."""
     bucket = bucket_for(m)
     copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -93,17 +94,17 @@ def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
     pick = dict(params, config=baseline.BUCKET_KERNELS[bucket].best_config)
     described = " ".join(f"{key}={value}" for key, value in params.items()) + " " + last_config(bucket, baseline)
     outputs = [kernels.launch(bucket, x, *copies[0], 32, **pick) for kernels in trees]
-    times = [[] for _ in trees]
-    for _ in range(rounds):
-        for kernels, series in zip(trees, times):
-            series.append(time_back_to_back_us(
-                [lambda w=w, kernels=kernels: kernels.launch(bucket, x, *w, 32, **pick) for w in copies]))
-    del copies
-    bf16 = defaultdict(dict)
-    bench_bf16(n, k, [m], bf16)
+    methods = {index: {m: [lambda w=w, kernels=kernels: kernels.launch(bucket, x, *w, 32, **pick) for w in copies]}
+               for index, kernels in enumerate(trees)}
+    methods["bf16"] = bf16_calls(n, k, [m])
+    times, failures = time_in_rounds(methods, rounds)
+    if failures:
+        raise next(iter(failures.values()))
+    del copies, methods
     torch.cuda.empty_cache()
-    return {"N": n, "K": k, "M": m, "bucket": bucket, "pick": described, "us": times,
-            "bf16_us": bf16[(n, k, m)]["bf16_us"], "bit_identical": [torch.equal(outputs[0], out) for out in outputs]}
+    return {"N": n, "K": k, "M": m, "bucket": bucket, "pick": described,
+            "us": [times[index][m] for index in range(len(trees))], "bf16_us": statistics.median(times["bf16"][m]),
+            "bit_identical": [torch.equal(outputs[0], out) for out in outputs]}
 
 
 def report_rows(result: dict, labels: Sequence[str]) -> List[str]:

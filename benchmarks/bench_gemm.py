@@ -3,21 +3,24 @@
 
 Method (SPEC section 11): each method gets enough copies of its weights to exceed twice the L2
 cache, a CUDA graph of many calls rotating over the copies is captured, and its replays are
-timed with CUDA events: weights come from HBM and launch overhead is out. Our split-K (and, at M <= 4,
+timed with CUDA events: weights come from HBM and launch overhead is out. A shape's methods are
+timed in alternation, ``--rounds`` times, each round starting with the next method, and each
+cell reports its median (``time_in_rounds``). Our split-K (and, at M <= 4,
 whether the activations are quantized by a kernel of their own first) is the library's own
 pick (``autotune_launch_params``), our tile config its autotuner's pick. The
 memory floor is (weight + activation + output bytes) / the HBM read bandwidth measured here.
 
-    python benchmarks/bench_gemm.py [--shapes 8448x6656,4096x4096] [--ms 1,4,16] [--json out.json]
+    python benchmarks/bench_gemm.py [--shapes 8448x6656,4096x4096] [--ms 1,4,16] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,41 +84,51 @@ def last_config(bucket, kernels=our_kernels) -> str:
     return " ".join(f"{key}={value}" for key, value in config.kwargs.items()) + f" warps={config.num_warps}{cap}"
 
 
-def bench_ours(n, k, ms, results):
+Calls = Dict[int, List[Callable[[], object]]]
+"""A method's calls at each M: one a weight copy, for ``time_back_to_back_us`` to rotate over."""
+
+
+def ours_calls(n, k, ms, results) -> Calls:
+    """Our launches, each M's launch parameters and tile config tuned (or restored) now and
+    recorded in ``results``."""
     copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
+    calls = {}
     for m in ms:
         bucket = bucket_for(m)
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         params = tuned_launch_params(bucket, x, copies[0])
-        us = time_back_to_back_us([lambda w=w: launch(bucket, x, *w, 32, **params) for w in copies])
-        results[(n, k, m)].update(ours_us=us, **params, config=last_config(bucket), bucket=bucket)
-    del copies
+        results[(n, k, m)].update(**params, config=last_config(bucket), bucket=bucket)
+        calls[m] = [lambda w=w, x=x, bucket=bucket, params=params: launch(bucket, x, *w, 32, **params)
+                    for w in copies]
+    return calls
 
 
-def bench_bf16(n, k, ms, results):
+def bf16_calls(n, k, ms, results=None) -> Calls:
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
                for _ in range(copies_beyond_l2(n * k * 2))]
+    calls = {}
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["bf16_us"] = time_back_to_back_us([lambda w=w: F.linear(x, w) for w in weights])
-    del weights
+        calls[m] = [lambda w=w, x=x: F.linear(x, w) for w in weights]
+    return calls
 
 
-def bench_tinygemm(n, k, ms, results):
+def tinygemm_calls(n, k, ms, results=None) -> Calls:
     copies = []
     for _ in range(copies_beyond_l2(n * k * (0.5 + 4 / 32))):
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
         packed = torch.ops.aten._convert_weight_to_int4pack(codes, 8)
         scales_zeros = (torch.rand(k // 32, n, 2, device="cuda") * 0.01).to(torch.bfloat16)
         copies.append((packed, scales_zeros))
+    calls = {}
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["tinygemm_us"] = time_back_to_back_us(
-            [lambda p=p, s=s: torch.ops.aten._weight_int4pack_mm(x, p, 32, s) for p, s in copies])
-    del copies
+        calls[m] = [lambda p=p, s=s, x=x: torch.ops.aten._weight_int4pack_mm(x, p, 32, s) for p, s in copies]
+        calls[m][0]()  # an M the kernel refuses fails here, before any timing
+    return calls
 
 
-def bench_gemlite(n, k, ms, results):
+def gemlite_calls(n, k, ms, results=None) -> Calls:
     from gemlite import DType, GemLiteLinear
 
     layers = []
@@ -127,10 +140,41 @@ def bench_gemlite(n, k, ms, results):
         zeros = torch.randint(0, 16, (n, k // 32), device="cuda").to(torch.bfloat16)
         layer.pack(codes, scales, zeros, bias=None)
         layers.append(layer)
+    calls = {}
     for m in ms:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        results[(n, k, m)]["gemlite_us"] = time_back_to_back_us([lambda l=l: l(x) for l in layers])
-    del layers
+        calls[m] = [lambda layer=layer, x=x: layer(x) for layer in layers]
+        calls[m][0]()
+    return calls
+
+
+METHODS = {"ours": ours_calls, "bf16": bf16_calls, "tinygemm": tinygemm_calls, "gemlite": gemlite_calls}
+
+
+def time_in_rounds(methods: Dict[str, Calls], rounds: int,
+                   timer: Callable[[List[Callable[[], object]]], float] = time_back_to_back_us
+                   ) -> Tuple[Dict[str, Dict[int, List[float]]], Dict[str, Exception]]:
+    """Each method's µs at each of its M, once a round, and the methods that failed (an
+    anchor that cannot run a shape is reported, not fatal: it loses its readings and its
+    later turns). Within a round the methods take turns, and each round starts one method
+    later than the last, so that no method is always timed first: on the H200 the first few
+    graphs timed in a process can read up to 4 % faster than the later ones
+    (docs/benchmarks.md, session 40), which a method timed once, and first, kept."""
+    names = list(methods)
+    times = {name: {m: [] for m in calls} for name, calls in methods.items()}
+    failures: Dict[str, Exception] = {}
+    for index in range(rounds):
+        for turn in range(len(names)):
+            name = names[(index + turn) % len(names)]
+            if name in failures:
+                continue
+            try:
+                for m, calls in methods[name].items():
+                    times[name][m].append(timer(calls))
+            except Exception as error:
+                failures[name] = error
+                del times[name]
+    return times, failures
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -139,12 +183,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ms", default=None, help="M values, comma separated")
     parser.add_argument("--methods", default="ours,bf16,tinygemm,gemlite")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each method is timed at each M, in alternation (the median is reported)")
     args = parser.parse_args(argv)
     shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
               if args.shapes else list(MODEL_SHAPES + LLAMA3_8B_SHAPES))
     ms = [int(v) for v in args.ms.split(",")] if args.ms else list(M_VALUES)
-    methods = {"ours": bench_ours, "bf16": bench_bf16, "tinygemm": bench_tinygemm,
-               "gemlite": bench_gemlite}
     bandwidth = hbm_read_bandwidth()
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, L2 {l2_bytes() / 2**20:.0f} MiB",
@@ -160,15 +204,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in ms:
             floor = (n * k * INT4_BYTES_PER_WEIGHT + 2 * m * k + 2 * m * n) / bandwidth * 1e6
             results[(n, k, m)] = {"N": n, "K": k, "M": m, "floor_us": floor}
+        prepared = {}
         for name in args.methods.split(","):
             start = time.perf_counter()
             try:
-                methods[name](n, k, ms, results)
+                prepared[name] = METHODS[name](n, k, ms, results)
             except Exception as error:  # an anchor that fails on a shape is reported, not fatal
                 errors.append(f"{name} {n}x{k}: {type(error).__name__}: {error}")
                 print(f"# {errors[-1]}", file=sys.stderr, flush=True)
-            torch.cuda.empty_cache()
-            print(f"# {name} {n}x{k}: {time.perf_counter() - start:.1f} s", flush=True)
+            print(f"# {name} {n}x{k}: prepared in {time.perf_counter() - start:.1f} s", flush=True)
+        times, failures = time_in_rounds(prepared, args.rounds)
+        for name, error in failures.items():
+            errors.append(f"{name} {n}x{k}: {type(error).__name__}: {error}")
+            print(f"# {errors[-1]}", file=sys.stderr, flush=True)
+        for name, by_m in times.items():
+            for m, series in by_m.items():
+                results[(n, k, m)].update({f"{name}_us": statistics.median(series), f"{name}_us_rounds": series})
+        del prepared
+        torch.cuda.empty_cache()
         if shape_index == 0:
             print(header)
             print("|" + "---|" * (header.count("|") - 1))

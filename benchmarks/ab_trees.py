@@ -94,8 +94,9 @@ def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
     pick = dict(params, config=baseline.BUCKET_KERNELS[bucket].best_config)
     described = " ".join(f"{key}={value}" for key, value in params.items()) + " " + last_config(bucket, baseline)
     outputs = [kernels.launch(bucket, x, *copies[0], 32, **pick) for kernels in trees]
-    methods = {index: {m: [lambda w=w, kernels=kernels: kernels.launch(bucket, x, *w, 32, **pick) for w in copies]}
-               for index, kernels in enumerate(trees)}
+    labels = [f"tree{index}" for index in range(len(trees))]
+    methods = {label: {m: [lambda w=w, kernels=kernels: kernels.launch(bucket, x, *w, 32, **pick) for w in copies]}
+               for label, kernels in zip(labels, trees)}
     methods["bf16"] = bf16_calls(n, k, [m])
     times, failures = time_in_rounds(methods, rounds)
     if failures:
@@ -103,7 +104,7 @@ def run_case(trees: Sequence, n: int, k: int, m: int, rounds: int) -> dict:
     del copies, methods
     torch.cuda.empty_cache()
     return {"N": n, "K": k, "M": m, "bucket": bucket, "pick": described,
-            "us": [times[index][m] for index in range(len(trees))], "bf16_us": statistics.median(times["bf16"][m]),
+            "us": [times[label][m] for label in labels], "bf16_us": statistics.median(times["bf16"][m]),
             "bit_identical": [torch.equal(outputs[0], out) for out in outputs]}
 
 

@@ -48,7 +48,8 @@ driver rounds up to a size the SM supports."""
 TRITON_PREFERS_SHARED_ABOVE = 49152
 """Bytes of shared memory above which Triton, loading a kernel, asks for the largest shared
 memory (``CU_FUNC_CACHE_PREFER_SHARED``). At or below it the driver picks the carveout, and
-``fitted_to_grid`` leaves its choice: a fitted one was measured only above."""
+``fitted_to_grid`` leaves its choice: fitted there too, the W4A16 calls at M = 8-64 were level
+with it on the H200 (docs/benchmarks.md, session 41)."""
 
 _GRID = "coalesced_int4_grid"
 """The key ``report_grid`` adds to a launch's metadata."""

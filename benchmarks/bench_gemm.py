@@ -202,17 +202,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in ms:
             floor = (n * k * INT4_BYTES_PER_WEIGHT + 2 * m * k + 2 * m * n) / bandwidth * 1e6
             results[(n, k, m)] = {"N": n, "K": k, "M": m, "floor_us": floor}
-        prepared = {}
+        prepared, unprepared = {}, {}
         for name in args.methods.split(","):
             start = time.perf_counter()
             try:
                 prepared[name] = METHODS[name](n, k, ms, results)
             except Exception as error:  # an anchor that fails on a shape is reported, not fatal
-                errors.append(f"{name} {n}x{k}: {type(error).__name__}: {error}")
-                print(f"# {errors[-1]}", file=sys.stderr, flush=True)
+                unprepared[name] = error
             print(f"# {name} {n}x{k}: prepared in {time.perf_counter() - start:.1f} s", flush=True)
         times, failures = time_in_rounds(prepared, args.rounds)
-        for name, error in failures.items():
+        for name, error in {**unprepared, **failures}.items():
             errors.append(f"{name} {n}x{k}: {type(error).__name__}: {error}")
             print(f"# {errors[-1]}", file=sys.stderr, flush=True)
         for name, by_m in times.items():

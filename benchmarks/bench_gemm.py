@@ -156,10 +156,11 @@ METHODS = {"ours": ours_calls, "bf16": bf16_calls, "tinygemm": tinygemm_calls, "
 
 SETTLING_CAPTURES = 8
 """Graphs of an empty kernel captured and timed, of each kind, before anything is timed. On
-the H200 a process's first graphs of a kind replay each launch about 0.18 µs faster than the
-later ones: its first three graphs without dependent launch, and up to its first seven with
-it (docs/benchmarks.md, session 42). That favoured whichever method was captured first (ours
-by 3-4 % in sessions 39-41, bf16 in session 40's settling step)."""
+the H200 a process's first graphs of a kind replay faster than its later ones (an empty
+kernel's launch by about 0.18 µs, a 4096x4096 call of ours or of bf16 by about 0.4 µs): its
+first three graphs without dependent launch, and up to its first seven with it
+(docs/benchmarks.md, session 42). Unsettled, ours read up to 4 % faster wherever its first
+graphs were timed against bf16's later ones (sessions 39-41)."""
 
 
 @triton.jit
@@ -169,8 +170,8 @@ def _empty_kernel(DEPENDENT_LAUNCH: tl.constexpr):
     let_next_kernel_launch(DEPENDENT_LAUNCH)
 
 
-def settle_launch_state(device: torch.device, timer: Callable[[List[Callable[[], object]]], float] = time_back_to_back_us
-                        ) -> None:
+def settle_launch_state(device: torch.device,
+                        timer: Callable[[List[Callable[[], object]]], float] = time_back_to_back_us) -> None:
     """Use up the process's fast graph captures (``SETTLING_CAPTURES``), first those with
     dependent launch where the device has it, then those without, so that every method is
     timed in the state a process that has captured a few graphs stays in."""

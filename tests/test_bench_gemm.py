@@ -51,7 +51,6 @@ def test_a_method_that_fails_loses_its_readings_and_later_turns_but_not_the_othe
     assert times == {"ours": {1: [1.0, 1.0], 2: [1.0, 1.0]}, "tinygemm": {1: [1.0, 1.0]}}
 
 
-
 class _RecordingKernel:
     """Stands in for ``bench_gemm._empty_kernel``: records each launch's options."""
 

@@ -164,8 +164,9 @@ graphs were timed against bf16's later ones (sessions 39-41)."""
 
 
 @triton.jit
-def _empty_kernel(DEPENDENT_LAUNCH: tl.constexpr):
-    """Nothing, with dependent launch's wait and trigger where it is on."""
+def empty_kernel(DEPENDENT_LAUNCH: tl.constexpr):
+    """Nothing, with dependent launch's wait and trigger where it is on: the settling graphs'
+    kernel, and bench_reduce.py's floor."""
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
 
@@ -179,7 +180,7 @@ def settle_launch_state(device: torch.device,
     if kinds[0]["DEPENDENT_LAUNCH"]:
         kinds.append({"DEPENDENT_LAUNCH": False})
     for options in kinds:
-        call = lambda options=options: _empty_kernel[(multiprocessors(device),)](**options)  # noqa: E731
+        call = lambda options=options: empty_kernel[(multiprocessors(device),)](**options)  # noqa: E731
         for _ in range(SETTLING_CAPTURES):
             timer([call])
 

@@ -22,12 +22,8 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from bench_gemm import empty_kernel
 from coalesced_int4.kernels.split_k import REDUCE_WIDTHS, _splitk_reduce_kernel, reduce_width, reduction_launch
-
-
-@triton.jit
-def _empty_kernel(ptr):
-    pass
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -36,8 +32,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ms", default="16,64")
     parser.add_argument("--splits", default="2,4,8,16")
     args = parser.parse_args(argv)
-    anchor = torch.empty(1, device="cuda")
-    empty_us = do_bench_cudagraph(lambda: _empty_kernel[(1,)](anchor), rep=200) * 1e3
+    empty_us = do_bench_cudagraph(lambda: empty_kernel[(1,)](DEPENDENT_LAUNCH=False), rep=200) * 1e3
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"an empty kernel: {empty_us:.2f} us")
     widths = " | ".join(f"{w} columns us" for w in REDUCE_WIDTHS)

@@ -52,7 +52,7 @@ def test_a_method_that_fails_loses_its_readings_and_later_turns_but_not_the_othe
 
 
 class _RecordingKernel:
-    """Stands in for ``bench_gemm._empty_kernel``: records each launch's options."""
+    """Stands in for ``bench_gemm.empty_kernel``: records each launch's options."""
 
     def __init__(self):
         self.launches = []
@@ -63,7 +63,7 @@ class _RecordingKernel:
 
 def _settle(monkeypatch, dependent_launch_options):
     kernel = _RecordingKernel()
-    monkeypatch.setattr(bench_gemm, "_empty_kernel", kernel)
+    monkeypatch.setattr(bench_gemm, "empty_kernel", kernel)
     monkeypatch.setattr(bench_gemm.dependent_launch, "options", lambda tensor: dependent_launch_options)
     timed = []
 

@@ -14,6 +14,8 @@ its grid puts on an SM (``carveout_percent``), and L1 gets the rest. On the H200
 off those with three (6144x4096, 8448x6656); those with four keep all 228 KB
 (docs/benchmarks.md, session 39). The binary, and so every result bit, is the same. Binaries
 of 48 KB or less (most configs of buckets 8-32) keep the carveout the driver picks for them.
+The fitted carveout also bounds where a GEMM launched early by the split-K reduction
+(``dependent_launch``) is placed: no SM takes more of its programs than the grid puts on one.
 
 How: the W4A16 kernel reports its grid through Triton's ``launch_metadata`` (``report_grid``),
 and ``fitted_to_grid()``, around the W4A16 launcher's launches (tuning included), installs a

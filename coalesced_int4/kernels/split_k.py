@@ -87,8 +87,10 @@ def _splitk_reduce_kernel(
 ):
     """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending; the
     first ``short_columns`` columns were split one way fewer and have no last partial.
-    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``)."""
+    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``), and
+    a one-pass kernel there: the next kernel may launch right after the wait."""
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
+    let_next_kernel_launch(DEPENDENT_LAUNCH)
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1)
     mask = offs < N
@@ -98,7 +100,6 @@ def _splitk_reduce_kernel(
         if s == SPLIT_K - 1:
             written = mask & (offs >= short_columns)
         total += tl.load(partial_ptr + s * stride_s + row * stride_pm + offs, mask=written, other=0.0)
-    let_next_kernel_launch(DEPENDENT_LAUNCH)
     tl.store(out_ptr + row * stride_om + offs, to_bf16(total, INTERPRET), mask=mask)
 
 

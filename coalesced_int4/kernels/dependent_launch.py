@@ -16,7 +16,7 @@ Every kernel launched with ``options(device)`` keeps this contract:
   kernel's programs hold SM slots in their own wait while the GEMM still computed, up to
   6 µs slower a call on the H200. The split-K reduction, a short pass with little state,
   calls it right after its wait, so that the next GEMM's programs are placed and waiting by
-  the time the sums are stored: 2-9 % faster a split-K call on the H200, the same bits
+  the time the sums are stored: 1-9 % faster a split-K call on the H200, the same bits
   (docs/benchmarks.md, session 43). Before the W4A16 launches' shared memory was fitted to
   their grid (``carveout``), the same early call was up to 55 % slower: a GEMM launched
   early was placed four programs to an SM on half the SMs.

@@ -182,22 +182,22 @@ def test_a_capped_config_is_counted_under_its_cap():
     assert not any(text.startswith("STG") for text in capped["main_loop"])
 
 
-ONE_PASS_KERNELS = ("reduce",)
+LAUNCH_NEXT_AT_THEIR_WAIT = ("reduce",)
 """The kernels that let the next kernel launch right after their wait (``dependent_launch``);
-the others, after their main loop."""
+the others do once their loads are done."""
 
 
 def test_dependent_launches_wait_for_the_previous_kernel_before_any_global_memory_access():
     """A kernel launched with programmatic dependent launch may start before the previous
     kernel on the stream ends: each of the family's kernels waits for it before it reads or
-    writes global memory, and lets the next kernel launch, a one-pass kernel right after the
-    wait and a GEMM only after its loads; compiled without it, neither instruction is there."""
+    writes global memory, and lets the next kernel launch: the split-K reduction right after the
+    wait, the others only after their loads; compiled without it, neither instruction is there."""
     for name, ptx in _dependent_launch_ptx(True).items():
         wait = ptx.find("griddepcontrol.wait")
         first_access = min(i for i in (ptx.find(op) for op in GLOBAL_ACCESSES) if i >= 0)
         assert 0 <= wait < first_access, name
         next_launch = ptx.find("griddepcontrol.launch_dependents")
-        if name in ONE_PASS_KERNELS:
+        if name in LAUNCH_NEXT_AT_THEIR_WAIT:
             assert wait < next_launch < first_access, name
         else:
             assert next_launch > first_access, name

@@ -11,15 +11,15 @@ Every kernel launched with ``options(device)`` keeps this contract:
   write: the previous kernel's outputs are complete only after the wait, and the previous
   kernel may still read memory that the caching allocator has handed to this one;
 - it calls ``let_next_kernel_launch`` where the next kernel's programs can take their SM
-  slots without holding up this one. A GEMM calls it once its main loop is done, so that the
-  next kernel is launched while it stores: called at a GEMM's start, it let the next
-  kernel's programs hold SM slots in their own wait while the GEMM still computed, up to
-  6 µs slower a call on the H200. The split-K reduction, a short pass with little state,
-  calls it right after its wait, so that the next GEMM's programs are placed and waiting by
-  the time the sums are stored: 1-9 % faster a split-K call on the H200, the same bits
-  (docs/benchmarks.md, session 43). Before the W4A16 launches' shared memory was fitted to
-  their grid (``carveout``), the same early call was up to 55 % slower: a GEMM launched
-  early was placed four programs to an SM on half the SMs.
+  slots without holding up this one. The GEMMs and the activation quantizer call it once
+  their loads are done, so that the next kernel is launched while they store: called at a
+  GEMM's start, it let the next kernel's programs hold SM slots in their own wait while the
+  GEMM still computed, up to 6 µs slower a call on the H200. The split-K reduction, a short
+  pass with little state, calls it right after its wait, so that the next GEMM's programs
+  are placed and waiting by the time the sums are stored: 1-9 % faster a split-K call on
+  the H200, the same bits (docs/benchmarks.md, session 43). Before the W4A16 launches'
+  shared memory was fitted to their grid (``carveout``), the same early call was up to 55 %
+  slower: a GEMM launched early was placed four programs to an SM on half the SMs.
 
 Dependent launch is used for eager launches on sm_90 and newer, CUDA graphs captured from
 them included. Traced launches (torch.compile, AOTInductor) and Triton's interpreter compile

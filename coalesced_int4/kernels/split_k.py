@@ -87,8 +87,8 @@ def _splitk_reduce_kernel(
 ):
     """Program (N tile, row): out[row, n] = bf16(sum_s partial[s, row, n]), s ascending; the
     first ``short_columns`` columns were split one way fewer and have no last partial.
-    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``), and
-    a one-pass kernel there: the next kernel may launch right after the wait."""
+    DEPENDENT_LAUNCH: launched with programmatic dependent launch (``dependent_launch``), which
+    lets the next kernel launch right after this one's wait."""
     wait_for_previous_kernel(DEPENDENT_LAUNCH)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

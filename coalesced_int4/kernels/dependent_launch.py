@@ -18,7 +18,7 @@ Every kernel launched with ``options(device)`` keeps this contract:
   pass with little state, calls it right after its wait, so that the next GEMM's programs
   are placed and waiting by the time the sums are stored: 1-9 % faster a split-K call on
   the H200, the same bits (docs/benchmarks.md, session 43). Before the W4A16 launches'
-  shared memory was fitted to their grid (``carveout``), the same early call was up to 58 %
+  shared memory was fitted to their grid (``carveout``), the same early call was up to 55 %
   slower: a GEMM launched early was placed four programs to an SM on half the SMs.
 
 Dependent launch is used for eager launches on sm_90 and newer, CUDA graphs captured from

@@ -5,8 +5,7 @@ generation of 128 tokens after a 16-token prompt, compiled and replayed in CUDA 
 Compiled region by region: each transformer block, the final norm and the LM head are
 compiled with ``torch.compile(fullgraph=True, dynamic=False)``; the blocks share their compiled
 code (PyTorch's regional compilation), so each batch size costs one block's worth of compile
-(compiling the whole step took more than 2 minutes per graph on the H200 machine,
-2026-11-30). The prefill and the decode step, compiled regions and the eager ops between them
+(compiling the whole step took minutes per graph). The prefill and the decode step, compiled regions and the eager ops between them
 (embedding, last-position slice, argmax, the position update), are then captured in one CUDA
 graph each, as a serving engine does: a decode step is one graph launch, with no per-step
 host work or synchronization to time.
@@ -22,6 +21,7 @@ method alike; the table reports each method's median and the range of its per-ro
 to bf16.
 
     python benchmarks/bench_decode.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--rounds 3] [--json out.json]
+        [--markdown table.md]
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ import time
 from typing import Dict, List, Optional
 
 import torch
+from bench_gemm import write_markdown
 
 import coalesced_int4 as ci4
-from coalesced_int4.kernels import autotune_launch_params
 from coalesced_int4.decoder import LLAMA3_8B, build_decoder, generate
+from coalesced_int4.kernels import autotune_launch_params
 
 PROMPT = 16
 NEW_TOKENS = 128
@@ -244,6 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=3, help="timed generations per method and batch")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None, help="write the table, stamped with its environment, here")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     models = compiled_models(args.methods.split(","))
@@ -256,13 +258,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             if taken:
                 rows.append(summarize(method, batch, sizes[method], taken, samples.get("bf16", [])))
         torch.cuda.empty_cache()
-    print("| method | batch | tokens/s (median) | vs bf16 (median, rounds' range) | TTFT ms | weight GiB |")
-    print("|---|---|---|---|---|---|")
+    table = ["| method | batch | tokens/s (median) | vs bf16 (median, rounds' range) | TTFT ms | weight GiB |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ratios = r.get("vs_bf16_rounds")
         vs_bf16 = f"{r['vs_bf16']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
-        print(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {vs_bf16} "
-              f"| {r['ttft_ms']:.1f} | {r['weight_bytes'] / 2**30:.2f} |")
+        table.append(f"| {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {vs_bf16} "
+                     f"| {r['ttft_ms']:.1f} | {r['weight_bytes'] / 2**30:.2f} |")
+    print("\n".join(table))
+    if args.markdown:
+        write_markdown(args.markdown, table)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -1,7 +1,7 @@
 """Kernel benchmark: our INT4 GEMM against bf16 F.linear (cuBLAS), torch's tinygemm int4
 (group 32) and gemlite 0.6 (int4, group 32, bf16), per (N, K, M).
 
-Method (SPEC section 11): each method gets enough copies of its weights to exceed twice the L2
+Method: each method gets enough copies of its weights to exceed twice the L2
 cache, a CUDA graph of many calls rotating over the copies is captured, and its replays are
 timed with CUDA events: weights come from HBM and launch overhead is out. Before anything is
 timed the process's fast graph captures are used up (``settle_launch_state``). A shape's
@@ -12,13 +12,16 @@ pick (``autotune_launch_params``), our tile config its autotuner's pick. The
 memory floor is (weight + activation + output bytes) / the HBM read bandwidth measured here.
 
     python benchmarks/bench_gemm.py [--shapes 8448x6656,4096x4096] [--ms 1,4,16] [--rounds 3] [--json out.json]
+        [--markdown table.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -29,10 +32,11 @@ import triton
 import triton.language as tl
 
 import coalesced_int4.kernels as our_kernels
-from coalesced_int4.kernels import SUPPORTED_BUCKETS, dependent_launch, launch
+from coalesced_int4.kernels import SUPPORTED_BUCKETS, launch
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
-from coalesced_int4.kernels.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
-from coalesced_int4.kernels.rules import multiprocessors
+from coalesced_int4.kernels.runtime import dependent_launch
+from coalesced_int4.kernels.runtime.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
+from coalesced_int4.kernels.runtime.device import multiprocessors
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -155,12 +159,9 @@ METHODS = {"ours": ours_calls, "bf16": bf16_calls, "tinygemm": tinygemm_calls, "
 
 
 SETTLING_CAPTURES = 8
-"""Graphs of an empty kernel captured and timed, of each kind, before anything is timed. On
-the H200 a process's first graphs of a kind replay faster than its later ones (an empty
-kernel's launch by about 0.18 µs, a 4096x4096 call of ours or of bf16 by about 0.4 µs): its
-first three graphs without dependent launch, and up to its first seven with it
-(docs/benchmarks.md, session 42). Unsettled, ours read up to 4 % faster wherever its first
-graphs were timed against bf16's later ones (sessions 39-41)."""
+"""Graphs of an empty kernel captured and timed, of each kind, before anything is timed: a
+process's first few graphs of a kind replay faster than its later ones (up to seven with
+dependent launch), which would favour whichever method is timed first."""
 
 
 @triton.jit
@@ -191,9 +192,8 @@ def time_in_rounds(methods: Dict[str, Calls], rounds: int,
     """Each method's µs at each of its M, once a round, and the methods that failed (an
     anchor that cannot run a shape is reported, not fatal: it loses its readings and its
     later turns). Within a round the methods take turns, and each round starts one method
-    later than the last, so that no method is always timed first: on the H200 the first few
-    graphs timed in a process can read up to 4 % faster than the later ones
-    (docs/benchmarks.md, session 40), which a method timed once, and first, kept."""
+    later than the last, so that no method is always timed first (the first few graphs timed
+    in a process can read faster than the later ones)."""
     names = list(methods)
     times = {name: {m: [] for m in calls} for name, calls in methods.items()}
     failures: Dict[str, Exception] = {}
@@ -211,12 +211,38 @@ def time_in_rounds(methods: Dict[str, Calls], rounds: int,
     return times, failures
 
 
+def environment_stamp() -> str:
+    """One line naming what a table was measured on: GPU, torch, Triton and the commit
+    (``$COMMIT``, else ``git rev-parse``; "uncommitted" is added where the tree has changes)."""
+    commit = os.environ.get("COMMIT")
+    if not commit:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        try:
+            commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+            if subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                              capture_output=True, text=True).stdout.strip():
+                commit += " (uncommitted changes)"
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"commit {commit}")
+
+
+def write_markdown(path: str, table: List[str]) -> None:
+    """The table as Markdown, under its environment stamp and the command that made it."""
+    command = " ".join(["python", *[arg if " " not in arg else repr(arg) for arg in sys.argv]])
+    with open(path, "w") as handle:
+        handle.write(f"{environment_stamp()}; `{command}`\n\n" + "\n".join(table) + "\n")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=None, help="NxK,... (default: model and Llama-3-8B shapes)")
     parser.add_argument("--ms", default=None, help="M values, comma separated")
     parser.add_argument("--methods", default="ours,bf16,tinygemm,gemlite")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--markdown", default=None, help="write the table, stamped with its environment, here")
     parser.add_argument("--rounds", type=int, default=3,
                         help="times each method is timed at each M, in alternation (the median is reported)")
     args = parser.parse_args(argv)
@@ -230,8 +256,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     results: Dict[tuple, dict] = {}
     errors = []
-    header = ("| N x K | M | ours us | bf16 us | tinygemm us | gemlite us | vs bf16 | of floor | split "
+    header = ("| N x K | M | ours µs | bf16 µs | tinygemm µs | gemlite µs | vs bf16 | of floor | split "
               "| prequantized |")
+    table = [header, "|" + "---|" * (header.count("|") - 1)]
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     # Rows and JSON are written shape by shape, so that a run cut off by a time limit keeps the
     # shapes it finished.
@@ -257,17 +284,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         del prepared
         torch.cuda.empty_cache()
         if shape_index == 0:
-            print(header)
-            print("|" + "---|" * (header.count("|") - 1))
+            print("\n".join(table))
         for m in ms:
             r = results[(n, k, m)]
             ours, bf16 = r.get("ours_us"), r.get("bf16_us")
             speedup = f"{bf16 / ours:.2f}x" if ours and bf16 else "-"
             floor = f"{r['floor_us'] / ours:.0%}" if ours else "-"
-            print(f"| {n}x{k} | {m} | {fmt(ours)} | {fmt(bf16)} | "
-                  f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
-                  f"{r.get('split_k', '-')}{' balanced' if r.get('balanced') else ''} | "
-                  f"{'yes' if r.get('prequantize') else '-'} |", flush=True)
+            table.append(f"| {n}x{k} | {m} | {fmt(ours)} | {fmt(bf16)} | "
+                         f"{fmt(r.get('tinygemm_us'))} | {fmt(r.get('gemlite_us'))} | {speedup} | {floor} | "
+                         f"{r.get('split_k', '-')}{' balanced' if r.get('balanced') else ''} | "
+                         f"{'yes' if r.get('prequantize') else '-'} |")
+            print(table[-1], flush=True)
+        if args.markdown:
+            write_markdown(args.markdown, table)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

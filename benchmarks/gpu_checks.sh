@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository, for one call on a GPU machine, each step capped in time
-# and logged under $OUT (or ./gpu-logs). Steps:
+# and logged under $OUT (or ./gpu-logs). User-facing steps:
 #   tests           the GPU test files (TEST_WORKERS=n: over n pytest-xdist processes)
 #   picks           the compile-time pick test, alone (it saturates every CPU core)
-#   gemm            kernel benchmark
-#   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS: split-K values, default the
-#                   family's up to 8; SWEEP_TILES: only these tiles, as sweep_configs.py's
-#                   --tiles) once per source tree in SWEEP_TREES (folders holding
-#                   coalesced_int4/ and benchmarks/, e.g. `git archive BRANCH coalesced_int4
-#                   benchmarks`; default this checkout), logs sweep-FAMILY-FOLDER
+#   gemm            kernel benchmark (bench_gemm.py; writes $OUT/gemm.md)
+#   autotune        cold and warm tuning benchmark
+#   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3;
+#                   writes $OUT/decode.md)
+#   attention       decode attention against SDPA
+# Steps that run the performance instruments of tools/perf/ (see its README):
+#   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS, SWEEP_TILES) once per source
+#                   tree in SWEEP_TREES (folders holding coalesced_int4/ and tools/perf/)
 #   ab              in-process A/B of the GEMMs of source trees (ab_trees.py): AB_TREES="BASE
 #                   VARIANT..." (folders holding coalesced_int4/), AB_CASES (NxKxM,...), AB_ROUNDS
 #   profile         Nsight Compute counters of tuned launches (PROFILE_TILE, PROFILE_SPLIT: one
@@ -16,12 +18,9 @@
 #   l2              L2 -> SM read bandwidth (l2_bandwidth.py)
 #   reduce          the split-K reduction alone at every width (bench_reduce.py; REDUCE_NS,
 #                   REDUCE_MS, REDUCE_SPLITS)
-#   autotune        cold and warm tuning benchmark
-#   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3)
-#   attention       decode attention against SDPA
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [sweep] [ab] [profile] [l2] [reduce] [autotune] [decode] [decode-profile] [attention]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -41,20 +40,19 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$ou
 for step in $steps; do
   case $step in
     tests)
-      # -v names each test as it ends, so a run stopped by the cap still says which finished
-      # (session 20: 149 tests over 8 workers ran past 310 s, one unfinished and unnamed).
+      # -v names each test as it ends, so a run stopped by the cap still says which finished.
       timeout "${TESTS_S:-420}" python -m pytest -v -rfs -p no:cacheprovider --durations=15 \
-        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/test_gpu.py tests/test_decode_attention.py \
-        tests/test_int4_gemm_numerics.py tests/test_compiled_gpu.py tests/test_autotune_gpu.py tests/test_carveout.py} \
+        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_compiled_gpu.py tests/gpu/test_autotune_gpu.py \
+        tests/kernels/test_decode_attention.py tests/kernels/test_int4_gemm_numerics.py tests/kernels/test_carveout.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/tests.log" | cut -c1-300 | tail -25 ;;
     picks)
-      timeout "${PICKS_S:-240}" python -m pytest -q -rf -s -p no:cacheprovider tests/test_autotune_picks_gpu.py \
+      timeout "${PICKS_S:-240}" python -m pytest -q -rf -s -p no:cacheprovider tests/gpu/test_autotune_picks_gpu.py \
         > "$out/picks.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|regret" "$out/picks.log" | tail -10 ;;
     gemm)
       timeout "${GEMM_S:-240}" python benchmarks/bench_gemm.py --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" \
-        --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" \
+        --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" --markdown "$out/gemm.md" \
         > "$out/gemm.log" 2>&1
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
     sweep)
@@ -63,7 +61,7 @@ for step in $steps; do
         # The tree's package first on the path and its own sweep script where it has one (its
         # grid names its kernels' parameters); its own empty pick cache, so that no pick of
         # another tree or of an earlier call on this machine is restored.
-        sweep=$tree/benchmarks/sweep_configs.py; [ -f "$sweep" ] || sweep=benchmarks/sweep_configs.py
+        sweep=$tree/tools/perf/sweep_configs.py; [ -f "$sweep" ] || sweep=tools/perf/sweep_configs.py
         COALESCED_INT4_CACHE_DIR=$(mktemp -d) PYTHONPATH=$tree:$PYTHONPATH timeout "${SWEEP_S:-150}" \
           python "$sweep" --family "${SWEEP_FAMILY:-w4a16}" --label "$label" \
           --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" --ms "${MS:-8,16,64}" \
@@ -73,7 +71,7 @@ for step in $steps; do
     ab)
       # Its own empty pick cache: the baseline tunes every case afresh rather than restoring a
       # pick made for other code.
-      COALESCED_INT4_CACHE_DIR=$(mktemp -d) timeout "${AB_S:-300}" python benchmarks/ab_trees.py ${AB_TREES:?AB_TREES=\"BASE VARIANT...\"} \
+      COALESCED_INT4_CACHE_DIR=$(mktemp -d) timeout "${AB_S:-300}" python tools/perf/ab_trees.py ${AB_TREES:?AB_TREES=\"BASE VARIANT...\"} \
         ${AB_CASES:+--cases $AB_CASES} ${AB_ROUNDS:+--rounds $AB_ROUNDS} --json "$out/ab.json" > "$out/ab.log" 2>&1
       grep -E "^\||^#|Error" "$out/ab.log" | cut -c1-300 ;;
     profile)
@@ -84,24 +82,24 @@ for step in $steps; do
       # PROFILE_TILE / PROFILE_SPLIT: one W4A16 config at one split instead of the tuned picks.
       profile_args=(--shapes "${PROFILE_SHAPES:-8448x6656}" --ms "${MS:-1,4,16,64}"
                     ${PROFILE_TILE:+--tile $PROFILE_TILE --split ${PROFILE_SPLIT:-1}})
-      COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" python benchmarks/profile_gemm.py \
+      COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" python tools/perf/profile_gemm.py \
         "${profile_args[@]}" > "$out/profile-picks.log" 2>&1
       # The full set, per-line stall samples (SourceCounters) included; the report is read
       # back as the details page and as per-SASS-line samples (profile-sass.csv), then dropped.
       COALESCED_INT4_CACHE_DIR=$picks timeout "${PROFILE_S:-240}" "$ncu" --clock-control none --nvtx \
         --nvtx-include "profile/" --set full --import-source no -o "$out/profile" \
-        python benchmarks/profile_gemm.py "${profile_args[@]}" > "$out/profile.log" 2>&1
+        python tools/perf/profile_gemm.py "${profile_args[@]}" > "$out/profile.log" 2>&1
       "$ncu" -i "$out/profile.ncu-rep" --page details >> "$out/profile.log" 2>&1
       "$ncu" -i "$out/profile.ncu-rep" --page source --print-source sass --csv > "$out/profile-sass.csv" 2>&1
       rm -f "$out/profile.ncu-rep"
       grep -E "^# profile|==ERROR==|_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|No Eligible|Stall" \
         "$out/profile.log" | head -80
-      python benchmarks/stall_lines.py "$out/profile-sass.csv" --top 12 | cut -c1-160 ;;
+      python tools/perf/stall_lines.py "$out/profile-sass.csv" --top 12 | cut -c1-160 ;;
     l2)
-      timeout "${L2_S:-120}" python benchmarks/l2_bandwidth.py > "$out/l2.log" 2>&1
+      timeout "${L2_S:-120}" python tools/perf/l2_bandwidth.py > "$out/l2.log" 2>&1
       grep -E "^\||^#|Error" "$out/l2.log" ;;
     reduce)
-      timeout "${REDUCE_S:-120}" python benchmarks/bench_reduce.py ${REDUCE_NS:+--ns $REDUCE_NS} \
+      timeout "${REDUCE_S:-120}" python tools/perf/bench_reduce.py ${REDUCE_NS:+--ns $REDUCE_NS} \
         ${REDUCE_MS:+--ms $REDUCE_MS} ${REDUCE_SPLITS:+--splits $REDUCE_SPLITS} > "$out/reduce.log" 2>&1
       grep -E "^\||^#|Error" "$out/reduce.log" ;;
     autotune)
@@ -109,7 +107,7 @@ for step in $steps; do
         > "$out/autotune.log" 2>&1
       grep -E "^\||^#" "$out/autotune.log" | tail -10 ;;
     decode-profile)
-      timeout "${DECODE_PROFILE_S:-300}" python benchmarks/profile_decode.py --methods "${DECODE_METHODS:-ours,bf16}" \
+      timeout "${DECODE_PROFILE_S:-300}" python tools/perf/profile_decode.py --methods "${DECODE_METHODS:-ours,bf16}" \
         --batch "${BATCH:-1}" > "$out/decode-profile.log" 2>&1
       grep -E "^\||^#|failed|Error" "$out/decode-profile.log" | tail -60 ;;
     attention)
@@ -117,7 +115,7 @@ for step in $steps; do
       grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
-        --batches "${BATCHES:-1,4,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" \
+        --batches "${BATCHES:-1,4,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" --markdown "$out/decode.md" \
         > "$out/decode.log" 2>&1
       grep -E "^\||^#|tok/s|failed|Error" "$out/decode.log" | tail -30 ;;
   esac

@@ -17,13 +17,13 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torchao.quantization import quantize_
 
 from coalesced_int4.config import int4_config
 from coalesced_int4.decoder import DEMO, Decoder, build_decoder, decode_step, generate
 from coalesced_int4.serialization import load_quantized, save_quantized
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
-from torchao.quantization import quantize_
+from coalesced_int4.torch_internals import TorchDispatchMode
 
 PROMPT_LEN = 16
 

@@ -23,7 +23,6 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor, fill_defaults
 
 from coalesced_int4.dispatch import quantized_linear
@@ -35,7 +34,8 @@ from coalesced_int4.quantize import (
     encode_superscale,
     quantize_weight,
 )
-from coalesced_int4.source import source_hash
+from coalesced_int4.source_hash import source_hash
+from coalesced_int4.torch_internals import return_and_correct_aliasing
 
 __all__ = ["CudaCoalescedInt4Tensor"]
 

@@ -1,10 +1,7 @@
-"""Shared test helpers. GPU tests use ``requires_cuda`` and skip cleanly without CUDA."""
+"""Test session setup: Triton's interpreter without a GPU, and a private pick store. Shared
+helpers live in ``tests/helpers.py``."""
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,94 +11,9 @@ if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter (set before they import).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 @pytest.fixture(autouse=True, scope="session")
 def private_autotune_cache(tmp_path_factory):
     """Tests never read or write the user's persistent autotune picks."""
     os.environ["COALESCED_INT4_CACHE_DIR"] = str(tmp_path_factory.mktemp("autotune-picks"))
     yield
-
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def run_compiling_python(code: str, *args: str, path=()) -> subprocess.CompletedProcess:
-    """``python -c code args`` in a process without Triton's interpreter, whose kernels have
-    their source and compile for a GPU target (this process's kernels are interpreted on a
-    CPU). ``path``: folders put first on the child's PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          timeout=600)
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
-"""The benchmark scripts' folder: tests of a script put it on ``sys.path`` (the scripts import
-each other by module name, as they do when run from there)."""
-
-_SM90_MAIN_LOOP = textwrap.dedent("""
-    import importlib, json, sys
-    from sass_census import compile_for_sm90, main_loop, sass_of
-    module, kernel, pointers, constants, warps = json.loads(sys.argv[1])
-    compiled = compile_for_sm90(getattr(importlib.import_module(module), kernel), pointers, constants, warps=warps)
-    print(json.dumps(main_loop(sass_of(compiled)[0])))
-""")
-
-
-def sm90_main_loop(module: str, kernel: str, pointers: dict, constants: dict, warps: int = 4):
-    """The main loop of ``benchmarks/<module>.py``'s ``kernel`` compiled offline for sm_90
-    (``sass_census.compile_for_sm90``, in a child process: this one runs the interpreter),
-    one instruction a line without its ``;`` and encoding."""
-    child = run_compiling_python(_SM90_MAIN_LOOP, json.dumps([module, kernel, pointers, constants, warps]),
-                                 path=(ROOT, BENCHMARKS))
-    assert child.returncode == 0, child.stderr[-3000:]
-    return [text.split(";")[0].strip() for text in json.loads(child.stdout.strip().splitlines()[-1])]
-
-
-def tma_and_pointer_configs(bucket: int):
-    """Each W4A16 config of ``bucket``'s space that copies activations by TMA, paired with the
-    config of the same tile that copies them by pointers."""
-    from coalesced_int4.kernels import int4_autotune_configs
-
-    configs = int4_autotune_configs(bucket)
-
-    def tile(config):
-        return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps
-
-    pointers = {tile(c): c for c in configs if not c.kwargs["TMA_ACTIVATIONS"]}
-    return [(c, pointers[tile(c)]) for c in configs if c.kwargs["TMA_ACTIVATIONS"]]
-
-
-def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="cpu"):
-    """Gaussian rows whose magnitudes span 1e-3 .. 1e2 (one magnitude per row)."""
-    generator = torch.Generator().manual_seed(seed)
-    magnitudes = torch.logspace(-3, 2, n, dtype=torch.float64)[torch.randperm(n, generator=generator)]
-    w = torch.randn(n, k, generator=generator, dtype=torch.float64) * magnitudes[:, None]
-    return w.to(dtype).to(device)
-
-
-def packed_weight(n: int, k: int, seed: int = 0, device="cpu"):
-    """The five stored tensors of a quantized Gaussian bf16 weight, and the dense weight."""
-    from coalesced_int4.quantize import quantize_weight
-
-    generator = torch.Generator().manual_seed(seed)
-    dense = torch.randn(n, k, generator=generator).to(torch.bfloat16)
-    return tuple(t.to(device) for t in quantize_weight(dense)), dense.to(device)
-
-
-def dequant_matmul_reference(x, packed):
-    """The reference system's check: weights dequantized with every step rounded to bf16
-    (the W4A16 kernels' chain), then a bf16 ``F.linear``; computed in fp32 here."""
-    from coalesced_int4.quantize import PackedInt4, dequantize_packed
-
-    dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16)
-    return (x.float() @ dense.float().t())
-
-
-def assert_close_to_reference(out, ref, rtol=0.03, atol=8.0, mean_rel=0.02):
-    """The reference test's tolerance: finite, elementwise rtol/atol, and mean relative error."""
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
-    error = (out.float() - ref.float()).abs().mean() / ref.float().abs().mean()
-    assert error.item() < mean_rel, error.item()

@@ -9,10 +9,9 @@ against the cache: it must be below S (the decoder's cache write fails first oth
 
 One program per (sequence, KV head) holds all of that head's query heads as the rows of one
 tensor-core tile, so each cached key and value is read once, and streams the cache in blocks
-of ``BLOCK_POSITIONS`` with an online softmax (fp32 running max, sum and output). On the
-H200 at batch 1 it took 4.7 µs per layer where cuDNN's SDPA, which PyTorch picks for a
-one-row query with a boolean mask, took 12.2, in an A/B whose caches partly fit the L2; the
-decode step gained about 5.8 µs a layer (docs/design.md, "Decode attention").
+of ``BLOCK_POSITIONS`` with an online softmax (fp32 running max, sum and output). It exists
+because cuDNN's SDPA, which PyTorch picks for a one-row query with a boolean mask, is several
+times slower at short caches (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -22,26 +21,22 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch._library.triton import set_wrap_triton_enabled
-from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-from coalesced_int4.kernels.family import INTERPRETER, NAMESPACE
-from coalesced_int4.kernels.rounding import bf16_dot, to_bf16
+from coalesced_int4.kernels.device_functions import bf16_dot, to_bf16
+from coalesced_int4.kernels.ops.family import INTERPRETER, NAMESPACE
+from coalesced_int4.torch_internals import is_fake, set_wrap_triton_enabled
 
 BLOCK_POSITIONS = 64
 STAGES = 3
-"""Positions per trip and pipeline depth: with 4 warps, the fastest of 7 settings (32-128
-positions, 2-4 stages, 4-8 warps) at 4 of the 6 points (batch 1, 4, 16 x position 143, 511)
-of the session-9 H200 A/B, and within 0.6 µs at the other two (128 positions a trip, 2
-stages, led at position 511 for batch 1 and 4: 9.5 against 10.0 µs at batch 1)."""
+"""Positions per trip and pipeline depth: with 4 warps, the fastest of a sweep of 32-128
+positions, 2-4 stages and 4-8 warps at most of its batch and position points."""
 MIN_DOT_ROWS = 16
 """A tensor-core dot needs at least 16 rows; a KV head's query heads are padded to it."""
 MAX_CACHE_POSITIONS = 512
 """The longest cache the kernel is used for: one program per (sequence, KV head) streams all
-of it, so its time grows with the position where SDPA's barely does (at position 511 it was
-10.0 against SDPA's 12.1 µs at batch 1); longer caches keep SDPA until a split over positions
-is measured."""
+of it, so its time grows with the position where SDPA's barely does; longer caches keep SDPA
+until a split over positions is measured."""
 
 
 def serves(query_length: int, k_cache: torch.Tensor) -> bool:

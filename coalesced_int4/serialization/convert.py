@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from coalesced_int4.quantize import quantize_weight, unpackable_reason
 from coalesced_int4.serialization.format import FORMAT_VERSION, CheckpointError
-from coalesced_int4.serialization.reader import load_state_dict, checkpoint_files
+from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict
 from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 

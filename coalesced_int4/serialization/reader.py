@@ -16,7 +16,6 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch.nn.modules.module import _IncompatibleKeys
 
 from coalesced_int4.serialization.format import (
     CheckpointError,
@@ -27,6 +26,7 @@ from coalesced_int4.serialization.format import (
 )
 from coalesced_int4.serialization.writer import INDEX_FILE, SINGLE_FILE
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
+from coalesced_int4.torch_internals import IncompatibleKeys
 
 
 @dataclasses.dataclass
@@ -125,7 +125,7 @@ def load_quantized(
     tensor, placed on ``device`` (default: where the model's tensor is, or the CPU for meta).
     With ``strict``, missing or unexpected keys raise before anything is loaded; otherwise they
     are returned like ``nn.Module.load_state_dict`` does. Returns the model's
-    ``_IncompatibleKeys(missing_keys, unexpected_keys)``.
+    ``IncompatibleKeys(missing_keys, unexpected_keys)``.
     """
     files = _read_headers(path)
     expected = set(model.state_dict(keep_vars=True))
@@ -143,7 +143,7 @@ def load_quantized(
                 _check_shape(model, file, name)
     for file_path, name, value in _read_entries(files, "cpu", wanted=expected):
         _assign(model, name, value, device)
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def _owner(model: torch.nn.Module, name: str):

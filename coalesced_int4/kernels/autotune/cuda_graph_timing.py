@@ -7,8 +7,7 @@ into one graph and replays it once, so launches are back to back and only device
 measured; it returns the fastest call in microseconds (cold L2 each time).
 
 The flush reads twice the L2 rather than writing it: a written flush leaves the L2 full of
-dirty lines that the timed kernel must write back to HBM while it streams its weights (up to
-about 13 us of extra traffic on the H200), which a decode GEMM never pays in a model, where
+dirty lines that the timed kernel must write back to HBM while it streams its weights , which a decode GEMM never pays in a model, where
 the L2 holds clean lines of the previous layer.
 
 ``time_back_to_back_us(calls)`` times the calls the way a model's layers run in a graph: one

@@ -33,14 +33,12 @@ import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import _disable_current_modes
 
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
 from coalesced_int4.kernels.autotune.do_bench import cuda_graph_timing
 from coalesced_int4.kernels.autotune.persistent import PickStore
 from coalesced_int4.kernels.autotune.tuner import compile_every_candidate_at_once
+from coalesced_int4.torch_internals import disable_current_modes, set_wrap_triton_enabled, unset_fake_temporarily
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +247,7 @@ def _measure(fn, name, params, candidates, args, kwargs, stats):
     """Time every candidate; the pick, or None after running out of memory twice."""
     for _ in range(2):
         try:
-            with unset_fake_temporarily(), _disable_current_modes(), set_wrap_triton_enabled(False):
+            with unset_fake_temporarily(), disable_current_modes(), set_wrap_triton_enabled(False):
                 real_args = [_stand_in(a) for a in args]
                 real_kwargs = {k: _stand_in(v) for k, v in kwargs.items()}
                 device = next(a for a in real_args if isinstance(a, torch.Tensor)).device

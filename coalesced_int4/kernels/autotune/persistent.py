@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import triton
 
-from coalesced_int4.source import source_hash
+from coalesced_int4.source_hash import source_hash
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
 
 from coalesced_int4.kernels.autotune.persistent import PickStore, config_to_json, matching_config
+from coalesced_int4.torch_internals import is_fake
 
 try:
     from triton.runtime import _async_compile

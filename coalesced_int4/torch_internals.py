@@ -1,0 +1,26 @@
+"""Every private or experimental torch API the library uses, imported in this one module.
+
+A torch upgrade that moves one of these breaks here, at import, rather than somewhere deep in a
+kernel launch; the rest of the package imports them from this module only.
+"""
+
+from torch._library import triton as triton_ops_registry
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+
+__all__ = [
+    "IncompatibleKeys",
+    "TorchDispatchMode",
+    "disable_current_modes",
+    "is_fake",
+    "is_wrap_triton_enabled",
+    "return_and_correct_aliasing",
+    "set_wrap_triton_enabled",
+    "statically_known_true",
+    "triton_ops_registry",
+    "unset_fake_temporarily",
+]

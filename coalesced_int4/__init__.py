@@ -3,7 +3,7 @@
     import coalesced_int4 as ci4
     ci4.quantize_(model, ci4.int4_config())       # nn.Linear weights -> CudaCoalescedInt4Tensor
     ci4.save_quantized(model, "ckpt/")            # sharded safetensors with an index
-    model = ci4.load_quantized(meta_model, "ckpt/", device="cuda")
+    ci4.load_quantized(meta_model, "ckpt/", device="cuda")  # fills meta_model in place
 """
 
 from torchao.quantization import quantize_

@@ -2,7 +2,11 @@
 
 demo      the built-in decoder end to end (no arguments, no network)
 quantize  convert a Hugging Face safetensors checkpoint, streaming
-inspect   summarise a checkpoint; ``--error SRC`` adds per-layer SNR against the dense source
+inspect   summarise a checkpoint; ``--error SRC`` adds per-layer SNR against the dense source,
+          ``--verify`` checks every stored tensor against its recorded checksum
+
+Bad input (a damaged checkpoint, overlapping paths, a weight that cannot be quantized) is
+printed as one ``error:`` line naming the file and tensor, with exit status 2.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--error", metavar="SRC", default=None,
                          help="dense source checkpoint: print per-layer dequantization SNR")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every stored tensor's CRC-32 against the one recorded at save")
     return parser
 
 
@@ -61,8 +67,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.command == "inspect":
             from coalesced_int4.serialization.convert import inspect_checkpoint
 
-            print(inspect_checkpoint(args.path, args.error))
-    except CheckpointError as error:
+            print(inspect_checkpoint(args.path, args.error, verify=args.verify))
+    except (CheckpointError, ValueError, OSError) as error:  # a bad input, said in one line
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -70,9 +70,10 @@ class Int4Config(AOBaseConfig):
             raise ValueError(f"group_size must be {GROUP_SIZE}, got {self.group_size}")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; supported: {METHODS}")
-        if self.activation_dtype != torch.bfloat16:
+        if self.activation_dtype not in CudaCoalescedInt4Tensor.ACTIVATION_DTYPES:
             raise ValueError(
-                f"activation_dtype must be torch.bfloat16, got {self.activation_dtype}"
+                f"activation_dtype must be one of {CudaCoalescedInt4Tensor.ACTIVATION_DTYPES}, "
+                f"got {self.activation_dtype}"
             )
         if self.device is not None:
             self.device = torch.device(self.device)

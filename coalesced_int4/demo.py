@@ -88,7 +88,7 @@ def run_demo(new_tokens: int = 32, compile: bool = True, device=None, out=print)
         files = save_quantized(model, directory)
         on_disk = sum(f.stat().st_size for f in files)
         with torch.device("meta"):
-            reloaded = Decoder(config)
+            reloaded = Decoder(config).to(torch.bfloat16)
         load_quantized(reloaded, directory, device=device)
     out(f"checkpoint: {len(files)} file(s), {on_disk / 2**20:.2f} MiB on disk")
 

@@ -49,6 +49,9 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     with ``g = k // 32`` and ``b = k // 256``.
     """
 
+    ACTIVATION_DTYPES = (torch.bfloat16,)
+    """The activation dtypes a quantized weight may declare: the dtype its kernels take."""
+
     tensor_data_names = list(PackedInt4._fields)
     tensor_attribute_names = ["block_size", "shape"]
     optional_tensor_attribute_names = ["activation_dtype"]

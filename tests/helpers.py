@@ -97,3 +97,18 @@ def assert_close_to_reference(out, ref, rtol=0.03, atol=8.0, mean_rel=0.02):
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
     error = (out.float() - ref.float()).abs().mean() / ref.float().abs().mean()
     assert error.item() < mean_rel, error.item()
+
+
+def rewrite_safetensors(path, edit_tensors=None, edit_meta=None):
+    """Rewrite a safetensors file after editing its tensors (a dict) and header metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        meta = handle.metadata()
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_meta:
+        edit_meta(meta)
+    save_file(tensors, str(path), metadata=meta)

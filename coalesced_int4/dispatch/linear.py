@@ -1,6 +1,7 @@
 """``F.linear(x, w)`` with ``w`` a ``CudaCoalescedInt4Tensor``.
 
-1. ``x`` is flattened to ``(M, K)``.
+1. ``x`` is checked as dense ``F.linear`` would (``check_activation``) and flattened to
+   ``(M, K)``.
 2. If the kernels can run on it (``can_launch_triton``), the smallest bucket of
    ``INT4_QUANTIZED_GEMM`` whose op supports the arguments is called: a static ``M`` within
    ``[1, bucket]``, or a symbolic ``M`` provably so.
@@ -29,6 +30,7 @@ def quantized_linear(
     x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     n, k = weight.shape
+    check_activation(x, k)
     x_2d = x.reshape(-1, k)
     weight_args = (*weight.packed, weight.group_size)
     bucket = select_bucket(x_2d, weight_args)
@@ -41,6 +43,20 @@ def quantized_linear(
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
+
+
+def check_activation(x: torch.Tensor, k: int) -> None:
+    """Raise where dense ``F.linear`` would: a 0-D input, a non-floating-point input (whose
+    product with a dequantized weight would be cast to int), or one whose last dimension is not
+    the weight's K (even with no rows)."""
+    if x.dim() == 0:
+        raise RuntimeError("F.linear with a quantized weight: the input is 0-D; it needs at least one dimension (K)")
+    if not x.dtype.is_floating_point:
+        raise RuntimeError(f"F.linear with a quantized weight: the input is {x.dtype}; it must be floating point "
+                           f"(bf16 runs the INT4 kernels)")
+    if x.shape[-1] != k:
+        raise RuntimeError(f"F.linear with a quantized weight: the input's last dimension is {x.shape[-1]} but the "
+                           f"weight's K (in_features) is {k}")
 
 
 def can_launch_triton(x: torch.Tensor) -> bool:

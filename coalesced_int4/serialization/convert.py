@@ -7,6 +7,11 @@ since only linear weights may be quantized); everything else is copied as it is.
 are flushed as they fill, so peak memory is about one source shard plus one output shard.
 ``config.json``, ``generation_config.json`` and tokenizer files are copied along.
 
+Before anything is written the converter checks that SRC and DST do not overlap, that DST is
+not a file, that every source header is readable, that the source is not already one of our
+checkpoints, and that copying the side files would overwrite no other file in DST; a tensor it
+cannot quantize (NaN or Inf, an fp8 weight) is named with its file.
+
 ``inspect_checkpoint(path)`` summarises a checkpoint of ours, and with a dense source
 checkpoint, the per-layer dequantization SNR.
 """
@@ -26,12 +31,13 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from coalesced_int4.quantize import quantize_weight, unpackable_reason
-from coalesced_int4.serialization.format import FORMAT_VERSION, CheckpointError
-from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict
+from coalesced_int4.serialization.format import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict, verify_checkpoint
 from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 
 DEFAULT_EXCLUDE = ("*embed*",)
+QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SIDE_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -70,10 +76,15 @@ def should_quantize(
     name: str, tensor_shape: Sequence[int], dtype: torch.dtype,
     include: Sequence[str], exclude: Sequence[str],
 ) -> bool:
-    if not name.endswith(".weight") or not dtype.is_floating_point:
+    if not name.endswith(".weight") or dtype not in QUANTIZABLE_DTYPES:
         return False
     if unpackable_reason(torch.empty(tensor_shape, dtype=dtype, device="meta")) is not None:
         return False
+    return selected(name, include, exclude)
+
+
+def selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether a tensor name matches an ``include`` pattern and no ``exclude`` pattern."""
     matches = lambda patterns: any(fnmatch.fnmatchcase(name, p) for p in patterns)  # noqa: E731
     return matches(include) and not matches(exclude)
 
@@ -88,6 +99,53 @@ def _source_tensors(files: List[Path]) -> Iterator[Tuple[Path, str, "safe_open"]
             raise CheckpointError(f"{file}: not a readable safetensors file ({error})")
 
 
+def _check_paths(src: Path, dst: Path) -> None:
+    """SRC exists, DST is not a file, and neither lies inside the other."""
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such source file or directory")
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst}: is a file; the converter writes into a directory")
+    source, target = src.resolve(), dst.resolve()
+    if source == target or source in target.parents or target in source.parents:
+        raise CheckpointError(f"source {src} and destination {dst} overlap; convert into a separate directory "
+                              f"(writing there could overwrite the source)")
+
+
+def _check_sources(files: List[Path], include: Sequence[str], exclude: Sequence[str]) -> int:
+    """Every source header readable and not ours, no fp8 weight selected for quantization;
+    returns the number of tensors."""
+    total = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                if (handle.metadata() or {}).get("format") == FORMAT_NAME:
+                    raise CheckpointError(f"{file}: is already a {FORMAT_NAME} checkpoint; nothing to convert")
+                for name in handle.keys():
+                    piece = handle.get_slice(name)
+                    dtype = piece.get_dtype()
+                    fp8_weight = dtype.startswith("F8") and name.endswith(".weight") and len(piece.get_shape()) == 2
+                    if fp8_weight and selected(name, include, exclude):
+                        raise CheckpointError(f"{file}: tensor {name!r} is {dtype}; the converter quantizes bf16, "
+                                              f"fp16 or fp32 weights (dequantize the fp8 checkpoint first)")
+                total += len(handle.keys())
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})")
+    return total
+
+
+def _side_files(src: Path, dst: Path) -> List[Path]:
+    """The source's config and tokenizer files; raises if one would overwrite another file."""
+    if not src.is_dir():
+        return []
+    sides = [side for side in sorted(src.iterdir())
+             if side.is_file() and (side.name in _SIDE_FILES or side.name.startswith("tokenizer"))]
+    for side in sides:
+        target = dst / side.name
+        if target.exists() and target.read_bytes() != side.read_bytes():
+            raise CheckpointError(f"{target}: exists and differs from {side}; refusing to overwrite it")
+    return sides
+
+
 def convert_checkpoint(
     src: Union[str, Path],
     dst: Union[str, Path],
@@ -97,11 +155,10 @@ def convert_checkpoint(
     max_shard_size: Union[int, str] = "5GB",
 ) -> ConversionSummary:
     src, dst = Path(src), Path(dst)
+    _check_paths(src, dst)
     files = source_files(src)
-    total = 0
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            total += len(handle.keys())
+    total = _check_sources(files, include, exclude)
+    sides = _side_files(src, dst)
     summary = ConversionSummary()
     start = time.perf_counter()
     with ShardWriter(dst, max_shard_size, {"source": src.name}) as writer:
@@ -110,7 +167,10 @@ def convert_checkpoint(
             tensor = handle.get_tensor(name)
             summary.bytes_in += tensor.numel() * tensor.element_size()
             if should_quantize(name, tensor.shape, tensor.dtype, include, exclude):
-                packed = quantize_weight(tensor.to(device))
+                try:
+                    packed = quantize_weight(tensor.to(device))
+                except ValueError as error:
+                    raise CheckpointError(f"{file}: tensor {name!r} cannot be quantized: {error}") from None
                 writer.add(name, CudaCoalescedInt4Tensor.from_packed(packed))
                 summary.quantized += 1
             else:
@@ -120,16 +180,17 @@ def convert_checkpoint(
         progress.close()
         summary.files = writer.commit()
     summary.bytes_out = writer.total_bytes
-    if src.is_dir():
-        for side in src.iterdir():
-            if side.is_file() and (side.name in _SIDE_FILES or side.name.startswith("tokenizer")):
-                shutil.copy2(side, dst / side.name)
+    for side in sides:
+        shutil.copy2(side, dst / side.name)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def inspect_checkpoint(path: Union[str, Path], dense_source: Optional[Union[str, Path]] = None) -> str:
-    """A printable report: format, counts, bytes, bits per weight, optional per-layer SNR."""
+def inspect_checkpoint(path: Union[str, Path], dense_source: Optional[Union[str, Path]] = None,
+                       verify: bool = False) -> str:
+    """A printable report: format, counts, bytes, bits per weight, optional per-layer SNR;
+    ``verify`` checks every stored tensor's checksum first (a mismatch raises)."""
+    checked = verify_checkpoint(path) if verify else None
     state = load_state_dict(path)
     quantized = {k: v for k, v in state.items() if isinstance(v, CudaCoalescedInt4Tensor)}
     plain = {k: v for k, v in state.items() if k not in quantized}
@@ -143,6 +204,8 @@ def inspect_checkpoint(path: Union[str, Path], dense_source: Optional[Union[str,
         f"plain tensors: {len(plain)} ({p_bytes / 2**20:.2f} MiB)",
         f"total: {(q_bytes + p_bytes) / 2**20:.2f} MiB",
     ]
+    if checked is not None:
+        lines.append(f"verified: {checked} stored tensors match their checksums")
     if dense_source is not None:
         lines.append("per-layer dequantization SNR against the dense source:")
         for name, snr in layer_snr(quantized, source_files(Path(dense_source))).items():
@@ -153,8 +216,11 @@ def inspect_checkpoint(path: Union[str, Path], dense_source: Optional[Union[str,
 def layer_snr(quantized: Dict[str, CudaCoalescedInt4Tensor], dense_files: List[Path]) -> Dict[str, float]:
     """10*log10(|w|^2 / |w - dequant(w)|^2) per quantized weight found in the dense files."""
     result = {}
-    for _, name, handle in _source_tensors(dense_files):
+    for file, name, handle in _source_tensors(dense_files):
         if name in quantized:
+            if tuple(handle.get_slice(name).get_shape()) != tuple(quantized[name].shape):
+                raise CheckpointError(f"{file}: tensor {name!r} is {handle.get_slice(name).get_shape()} in the dense "
+                                      f"source but {list(quantized[name].shape)} in the checkpoint: not its source")
             dense = handle.get_tensor(name).double()
             error = dense - quantized[name].dequantize(torch.float32).double()
             result[name] = 10 * math.log10(dense.pow(2).sum() / error.pow(2).sum().clamp_min(1e-300))

@@ -7,17 +7,19 @@ file's header metadata holds:
 
 * ``format`` = ``coalesced_int4`` and ``format_version`` = ``1``;
 * ``tensor_names``: JSON list of the state-dict names stored in this file;
+* ``checksums``: JSON object, stored tensor key -> CRC-32 of its bytes (8 hex digits);
 * per name, JSON ``{"_type": "CudaCoalescedInt4Tensor", "_data": {attributes},
   "_tensor_data_names": [...]}`` or ``{"_type": "torch.Tensor"}``.
 
 This module turns state-dict entries into stored tensors plus metadata and back, and checks
-every stored component against the attributes, raising ``CheckpointError`` that names the
-file and the tensor.
+every stored component against the attributes (dtype, shape, and steps that are finite and
+non-negative), raising ``CheckpointError`` that names the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Dict, Iterator, Mapping, Tuple
 
 import torch
@@ -29,7 +31,8 @@ FORMAT_NAME = "coalesced_int4"
 FORMAT_VERSION = 1
 QUANTIZED_TYPE = CudaCoalescedInt4Tensor.__name__
 PLAIN_TYPE = torch.Tensor.__name__
-RESERVED_METADATA = ("format", "format_version", "tensor_names")
+RESERVED_METADATA = ("format", "format_version", "tensor_names", "checksums")
+STEP_COMPONENTS = ("scale_step", "zero_point_step")
 
 
 class CheckpointError(ValueError):
@@ -67,7 +70,7 @@ def flatten_entry(name: str, value: torch.Tensor) -> Tuple[Dict[str, torch.Tenso
     return {name: value}, json.dumps({"_type": PLAIN_TYPE})
 
 
-def file_metadata(names, entry_meta: Mapping[str, str], user: Mapping[str, str]):
+def file_metadata(names, entry_meta: Mapping[str, str], user: Mapping[str, str], checksums: Mapping[str, str]):
     clash = [key for key in user if key in RESERVED_METADATA or key in entry_meta]
     if clash:
         raise ValueError(f"metadata keys {clash} are reserved by the checkpoint format")
@@ -76,8 +79,21 @@ def file_metadata(names, entry_meta: Mapping[str, str], user: Mapping[str, str])
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
         "tensor_names": json.dumps(list(names)),
+        "checksums": json.dumps(dict(checksums)),
         **entry_meta,
     }
+
+
+def recorded_checksums(file: str, metadata: Mapping[str, str]) -> Dict[str, str]:
+    """The stored key -> CRC-32 map of a file; raises where it has none to verify against."""
+    try:
+        checksums = json.loads(metadata["checksums"])
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"{file}: no readable checksums to verify against ({error}); it was saved "
+                              f"without them or its header is damaged")
+    if not isinstance(checksums, dict):
+        raise CheckpointError(f"{file}: checksums must be a JSON object, got {type(checksums).__name__}")
+    return checksums
 
 
 def check_file_metadata(file: str, metadata: Mapping[str, str] | None) -> list:
@@ -89,7 +105,7 @@ def check_file_metadata(file: str, metadata: Mapping[str, str] | None) -> list:
             f"(header metadata format={metadata.get('format')!r})"
         )
     version = metadata.get("format_version", "")
-    if not version.isdigit():
+    if not re.fullmatch(r"[0-9]+", version):
         raise CheckpointError(f"{file}: unreadable format_version {version!r}")
     if int(version) > FORMAT_VERSION:
         raise CheckpointError(
@@ -97,9 +113,12 @@ def check_file_metadata(file: str, metadata: Mapping[str, str] | None) -> list:
             f"({FORMAT_VERSION}); upgrade coalesced-int4"
         )
     try:
-        return json.loads(metadata["tensor_names"])
+        names = json.loads(metadata["tensor_names"])
     except (KeyError, ValueError) as error:
         raise CheckpointError(f"{file}: missing or corrupt tensor_names ({error})")
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise CheckpointError(f"{file}: tensor_names must be a JSON list of strings")
+    return names
 
 
 def stored_keys(file: str, name: str, metadata: Mapping[str, str]) -> Iterator[Tuple[str, str]]:
@@ -131,12 +150,16 @@ def build_entry(
     if meta["_type"] == PLAIN_TYPE:
         return components[""]
     attrs = meta.get("_data", {})
+    allowed = {str(d).removeprefix("torch."): d for d in CudaCoalescedInt4Tensor.ACTIVATION_DTYPES}
     try:
         n, k = (int(d) for d in attrs["shape"])
         block_size = [int(b) for b in attrs["block_size"]]
-        dtype = getattr(torch, attrs["activation_dtype"]["_data"])
+        dtype_name = attrs["activation_dtype"]["_data"]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{file}: tensor {name!r} has corrupt attributes {attrs} ({error})")
+    if dtype_name not in allowed:
+        raise CheckpointError(f"{file}: tensor {name!r} declares activation_dtype {dtype_name!r}; a quantized "
+                              f"weight's activation dtype must be one of {sorted(allowed)}")
     if block_size != [1, GROUP_SIZE] or k % SUPER_BLOCK or n <= 0 or k <= 0:
         raise CheckpointError(
             f"{file}: tensor {name!r} has shape {[n, k]} and block_size {block_size}; "
@@ -156,8 +179,26 @@ def build_entry(
                 f"{file}: tensor {component_key(name, component)!r} of {name!r} is "
                 f"{got.dtype} {tuple(got.shape)}, expected {want_dtype} {want_shape}"
             )
+    for component in STEP_COMPONENTS:
+        if not steps_are_finite_and_non_negative(components[component]):
+            raise CheckpointError(
+                f"{file}: tensor {component_key(name, component)!r} of {name!r} holds NaN, Inf or negative "
+                f"steps; steps are finite and non-negative (zero where a super-block is all zero)")
     packed = PackedInt4(*(components[c] for c in PackedInt4._fields))
-    return CudaCoalescedInt4Tensor.from_packed(packed, activation_dtype=dtype)
+    return CudaCoalescedInt4Tensor.from_packed(packed, activation_dtype=allowed[dtype_name])
+
+
+LARGEST_FINITE_FP16_BITS = 0x7BFF
+
+
+def steps_are_finite_and_non_negative(steps: torch.Tensor) -> bool:
+    """fp16 steps that are finite and >= +0: as int16 bit patterns exactly those in
+    [0, 0x7BFF] (a set sign bit reads negative, an all-ones exponent above 0x7BFF), so one
+    min/max pass over the raw bits decides it."""
+    if steps.numel() == 0:
+        return True
+    low, high = torch.aminmax(steps.view(torch.int16))
+    return bool(low >= 0) and bool(high <= LARGEST_FINITE_FP16_BITS)
 
 
 def _entry_meta(file: str, name: str, metadata: Mapping[str, str]) -> dict:

@@ -1,8 +1,11 @@
 """Reading checkpoints written by ``save_quantized`` (or the converter), shard by shard.
 
 ``path`` is a directory holding ``model.safetensors.index.json`` (sharded) or
-``model.safetensors``, or a single ``.safetensors`` file. Every header is read and checked
-before any tensor data, so a bad file or a key mismatch fails before the model is touched.
+``model.safetensors``, the index file itself, or a single ``.safetensors`` file. An index may
+only name plain file names in its own directory. Every header is read and checked before any
+tensor data (names, shapes, a plain tensor's dtype against the model's, no tensor that no entry
+claims), so a bad file or a key mismatch fails before the model is touched. With ``verify``,
+every stored tensor's CRC-32 is checked against the one recorded at save.
 Tensors are then read one entry at a time and handed over at once: peak host memory is about
 one tensor beyond what the model holds, and no dense copy of a quantized weight is built.
 """
@@ -21,10 +24,11 @@ from coalesced_int4.serialization.format import (
     CheckpointError,
     build_entry,
     check_file_metadata,
+    recorded_checksums,
     stored_keys,
     stored_shape,
 )
-from coalesced_int4.serialization.writer import INDEX_FILE, SINGLE_FILE
+from coalesced_int4.serialization.writer import INDEX_FILE, SINGLE_FILE, is_plain_file_name, tensor_checksum
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 from coalesced_int4.torch_internals import IncompatibleKeys
 
@@ -35,12 +39,26 @@ class _File:
     names: List[str]  # state-dict names stored in this file
     metadata: Dict[str, str]
     shapes: Dict[str, Tuple[int, ...]]  # of each state-dict entry
+    plain_dtypes: Dict[str, Optional[torch.dtype]]  # of each plain entry, as stored
+
+
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def checkpoint_files(path: Union[str, Path]) -> List[Path]:
     """The safetensors files of a checkpoint, in index order."""
     path = Path(path)
+    if path.is_file() and path.name == INDEX_FILE:
+        path = path.parent
     if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a checkpoint (expected a directory, {INDEX_FILE} or a "
+                                  f".safetensors file)")
         return [path]
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
@@ -51,6 +69,12 @@ def checkpoint_files(path: Union[str, Path]) -> List[Path]:
             names = list(dict.fromkeys(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{index}: unreadable index ({error})")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor key -> file name")
+        for key, name in weight_map.items():
+            if not (isinstance(name, str) and is_plain_file_name(name) and name.endswith(".safetensors")):
+                raise CheckpointError(f"{index}: tensor {key!r} maps to {name!r}; index entries must be plain "
+                                      f".safetensors file names inside the checkpoint directory")
         for name in names:
             if not (path / name).is_file():
                 example = next(k for k, v in weight_map.items() if v == name)
@@ -71,17 +95,24 @@ def _read_headers(path: Union[str, Path]) -> List[_File]:
                 metadata = handle.metadata() or {}
                 names = check_file_metadata(str(file), metadata)
                 keys = set(handle.keys())
-                shapes = {}
+                shapes, plain_dtypes, claimed = {}, {}, set()
                 for name in names:
                     for component, key in stored_keys(str(file), name, metadata):
                         if key not in keys:
                             raise CheckpointError(
                                 f"{file}: tensor {key!r} of {name!r} is missing"
                             )
+                        claimed.add(key)
+                        if not component:
+                            plain_dtypes[name] = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
                     shapes[name] = stored_shape(str(file), name, metadata, handle)
+                unclaimed = sorted(keys - claimed)
+                if unclaimed:
+                    raise CheckpointError(f"{file}: tensor {unclaimed[0]!r} is stored but its header lists no "
+                                          f"entry it belongs to ({len(unclaimed)} such tensors)")
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"{file}: not a readable safetensors file ({error})")
-        files.append(_File(file, names, metadata, shapes))
+        files.append(_File(file, names, metadata, shapes, plain_dtypes))
     seen: Dict[str, Path] = {}
     for file in files:
         for name in file.names:
@@ -92,9 +123,10 @@ def _read_headers(path: Union[str, Path]) -> List[_File]:
 
 
 def _read_entries(
-    files: List[_File], device, wanted: Optional[set] = None
+    files: List[_File], device, wanted: Optional[set] = None, verify: bool = False
 ) -> Iterator[Tuple[Path, str, torch.Tensor]]:
     for file in files:
+        checksums = recorded_checksums(str(file.path), file.metadata) if verify else {}
         try:
             with safe_open(str(file.path), framework="pt", device="cpu") as handle:
                 for name in file.names:
@@ -104,19 +136,43 @@ def _read_entries(
                         component: handle.get_tensor(key)
                         for component, key in stored_keys(str(file.path), name, file.metadata)
                     }
+                    if verify:
+                        for component, key in stored_keys(str(file.path), name, file.metadata):
+                            _verify(file.path, key, name, components[component], checksums)
                     value = build_entry(str(file.path), name, file.metadata, components)
                     yield file.path, name, value.to(device)
         except SafetensorError as error:
             raise CheckpointError(f"{file.path}: damaged safetensors data ({error})")
 
 
-def load_state_dict(path: Union[str, Path], device="cpu") -> Dict[str, torch.Tensor]:
-    """Every entry of a checkpoint, quantized weights as ``CudaCoalescedInt4Tensor``."""
-    return {name: value for _, name, value in _read_entries(_read_headers(path), device)}
+def _verify(path: Path, key: str, name: str, tensor: torch.Tensor, checksums: Dict[str, str]) -> None:
+    if key not in checksums:
+        raise CheckpointError(f"{path}: tensor {key!r} of {name!r} has no recorded checksum")
+    actual = tensor_checksum(tensor)
+    if actual != checksums[key]:
+        raise CheckpointError(f"{path}: tensor {key!r} of {name!r} fails its checksum (recorded "
+                              f"{checksums[key]}, read {actual}): the file is damaged")
+
+
+def verify_checkpoint(path: Union[str, Path]) -> int:
+    """Check every stored tensor's CRC-32; returns how many tensors were checked."""
+    checked = 0
+    for file in _read_headers(path):
+        for _ in _read_entries([file], "cpu", verify=True):
+            pass
+        checked += sum(1 for name in file.names for _ in stored_keys(str(file.path), name, file.metadata))
+    return checked
+
+
+def load_state_dict(path: Union[str, Path], device="cpu", verify: bool = False) -> Dict[str, torch.Tensor]:
+    """Every entry of a checkpoint, quantized weights as ``CudaCoalescedInt4Tensor``; with
+    ``verify``, every stored tensor's checksum is checked as it is read."""
+    return {name: value for _, name, value in _read_entries(_read_headers(path), device, verify=verify)}
 
 
 def load_quantized(
-    model: torch.nn.Module, path: Union[str, Path], device=None, strict: bool = True
+    model: torch.nn.Module, path: Union[str, Path], device=None, strict: bool = True,
+    cast: bool = False, verify: bool = False,
 ):
     """Load a checkpoint into ``model`` by assignment, entry by entry.
 
@@ -124,8 +180,10 @@ def load_quantized(
     dense one, or an already quantized one: each parameter or buffer is replaced by the stored
     tensor, placed on ``device`` (default: where the model's tensor is, or the CPU for meta).
     With ``strict``, missing or unexpected keys raise before anything is loaded; otherwise they
-    are returned like ``nn.Module.load_state_dict`` does. Returns the model's
-    ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+    are returned like ``nn.Module.load_state_dict`` does. A plain tensor stored in another dtype
+    than the model's tensor is an error naming it, unless ``cast`` (then it is cast to the
+    model's dtype). ``verify`` checks every stored tensor's checksum as it is read. Returns the
+    model's ``IncompatibleKeys(missing_keys, unexpected_keys)``.
     """
     files = _read_headers(path)
     expected = set(model.state_dict(keep_vars=True))
@@ -137,12 +195,14 @@ def load_quantized(
         lines += [f"  missing from the checkpoint: {name!r}" for name in missing]
         lines += [f"  unexpected in {stored[name]}: {name!r}" for name in unexpected]
         raise CheckpointError("\n".join(lines))
-    for file in files:  # every shape is checked before any data is read
-        for name in file.names:
-            if name in expected:
-                _check_shape(model, file, name)
-    for file_path, name, value in _read_entries(files, "cpu", wanted=expected):
-        _assign(model, name, value, device)
+    # Every shape, then every plain dtype, is checked before any data is read.
+    for check in (_check_shape, *(() if cast else (_check_plain_dtype,))):
+        for file in files:
+            for name in file.names:
+                if name in expected:
+                    check(model, file, name)
+    for file_path, name, value in _read_entries(files, "cpu", wanted=expected, verify=verify):
+        _assign(model, name, value, device, cast)
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -165,11 +225,25 @@ def _check_shape(model: torch.nn.Module, file: _File, name: str) -> None:
         )
 
 
-def _assign(model: torch.nn.Module, name: str, value: torch.Tensor, device) -> None:
+def _check_plain_dtype(model: torch.nn.Module, file: _File, name: str) -> None:
+    if name not in file.plain_dtypes:
+        return
+    module_name, _, _, current = _owner(model, name)
+    stored = file.plain_dtypes[name]
+    if isinstance(current, CudaCoalescedInt4Tensor) or stored == current.dtype:
+        return
+    raise CheckpointError(
+        f"{file.path}: tensor {name!r} is stored as {stored} but module {module_name or '<root>'!r} holds "
+        f"{current.dtype}; pass cast=True to load it cast to the module's dtype")
+
+
+def _assign(model: torch.nn.Module, name: str, value: torch.Tensor, device, cast: bool) -> None:
     _, module, attr, current = _owner(model, name)
     target = device if device is not None else current.device
     if torch.device(target).type == "meta":
         target = "cpu"
+    if cast and not isinstance(value, CudaCoalescedInt4Tensor) and not isinstance(current, CudaCoalescedInt4Tensor):
+        value = value.to(current.dtype)
     value = value.to(target)
     if attr in module._parameters:
         trainable = current.requires_grad and not isinstance(value, CudaCoalescedInt4Tensor)

@@ -387,7 +387,7 @@ def test_checkpoint_saved_on_cpu_loads_onto_cuda(tmp_path):
     ci4.quantize_(model, ci4.int4_config())
     ci4.save_quantized(model, tmp_path)
     with torch.device("meta"):
-        fresh = torch.nn.Sequential(torch.nn.Linear(512, 256))
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 256)).to(torch.bfloat16)
     ci4.load_quantized(fresh, tmp_path, device="cuda")
     assert fresh[0].weight.qdata.is_cuda and fresh[0].bias.is_cuda
     x = torch.randn(3, 512, dtype=torch.bfloat16)

@@ -24,7 +24,7 @@
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
-if [ -d .whl ]; then  # wheels the GPU image lacks (see ../shared/tools/device-wheels.sh)
+if [ -d .whl ]; then  # wheels the GPU image lacks (torchao, gemlite), downloaded into .whl/ with pip download
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
   export PYTHONPATH=/tmp/site:$PWD
 fi
@@ -51,8 +51,8 @@ for step in $steps; do
         > "$out/picks.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|regret" "$out/picks.log" | tail -10 ;;
     gemm)
-      timeout "${GEMM_S:-240}" python benchmarks/bench_gemm.py --shapes "${SHAPES:-8448x6656,4096x4096,14336x4096,256x6656}" \
-        --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm,gemlite}" --json "$out/gemm.json" --markdown "$out/gemm.md" \
+      timeout "${GEMM_S:-240}" python benchmarks/bench_gemm.py --shapes "${SHAPES:-4096x4096,14336x4096,4096x14336,128256x4096}" \
+        --ms "${MS:-1,4,16,64}" --methods "${METHODS:-ours,bf16,tinygemm}" --json "$out/gemm.json" --markdown "$out/gemm.md" \
         > "$out/gemm.log" 2>&1
       grep -E "^\||^#" "$out/gemm.log" | tail -40 ;;
     sweep)
@@ -115,7 +115,7 @@ for step in $steps; do
       grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
-        --batches "${BATCHES:-1,4,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" --markdown "$out/decode.md" \
+        --batches "${BATCHES:-1,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" --markdown "$out/decode.md" \
         > "$out/decode.log" 2>&1
       grep -E "^\||^#|tok/s|failed|Error" "$out/decode.log" | tail -30 ;;
   esac

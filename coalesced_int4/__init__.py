@@ -6,9 +6,8 @@
     ci4.load_quantized(meta_model, "ckpt/", device="cuda")  # fills meta_model in place
 """
 
-from torchao.quantization import quantize_
-
-from coalesced_int4.config import Int4Config, QuantizeReport, int4_config
+from coalesced_int4 import huggingface
+from coalesced_int4.config import Int4Config, QuantizeReport, int4_config, quantize_
 from coalesced_int4.serialization import load_quantized, load_state_dict, save_quantized
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 
@@ -23,3 +22,5 @@ __all__ = [
     "save_quantized",
 ]
 __version__ = "0.1.0"
+
+huggingface.register()

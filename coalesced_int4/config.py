@@ -1,8 +1,9 @@
 """``Int4Config``: the torchao ``quantize_`` workflow that turns ``nn.Linear`` weights into
 ``CudaCoalescedInt4Tensor``.
 
-``quantize_(model, int4_config())`` (torchao's function, also exported as
-``coalesced_int4.quantize_``) calls the handler below once per ``nn.Linear``. A weight the
+``coalesced_int4.quantize_(model, int4_config())`` (torchao's ``quantize_`` plus the
+model-wide rules below) calls the handler once per ``nn.Linear``; torchao's own
+``quantize_`` and transformers' quantize-at-load call the same handler. A weight the
 format cannot hold (K not a multiple of 256, not 2-D, not floating point, empty) stays dense;
 each distinct (shape, reason) is logged once at WARNING. A weight that is already quantized is
 left alone. ``config.report`` accumulates what happened: layers quantized and skipped (with
@@ -61,9 +62,6 @@ class Int4Config(AOBaseConfig):
     method: str = "min_max"
     activation_dtype: torch.dtype = torch.bfloat16
     device: Optional[torch.device] = None
-    report: QuantizeReport = dataclasses.field(
-        default_factory=QuantizeReport, compare=False, repr=False
-    )
 
     def __post_init__(self):
         if self.group_size != GROUP_SIZE:
@@ -77,6 +75,40 @@ class Int4Config(AOBaseConfig):
             )
         if self.device is not None:
             self.device = torch.device(self.device)
+        # Private, not a field: what a run did is not one of the options, so a serialised
+        # config (torchao's config_to_dict, a Hugging Face config.json) leaves it out.
+        self._report = QuantizeReport()
+        self._tied: dict = {}  # id(parameter) -> the modules sharing it, set by quantize_ for one call
+
+    @property
+    def report(self) -> QuantizeReport:
+        """What the ``quantize_`` calls with this config did so far."""
+        return self._report
+
+
+def quantize_(model: torch.nn.Module, config: Int4Config, filter_fn=None, device=None) -> None:
+    """torchao's ``quantize_`` with the model-wide rules a per-module handler cannot see.
+
+    - A linear weight that is the same parameter as another module's (a head tied to the input
+      embedding) stays dense, so the tie holds and no quantized copy sits beside the dense one;
+      the report says so.
+    - transformers' ``Conv1D`` layers (GPT-2 style, weight stored as (K, N)) are not
+      ``nn.Linear``: they stay dense and the report lists them.
+    """
+    from torchao.quantization import quantize_ as torchao_quantize_
+
+    owners: dict = {}
+    for module_name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module_name or "<root>")
+        if type(module).__name__ == "Conv1D" and not isinstance(module, torch.nn.Linear):
+            _skip(config.report, tuple(module.weight.shape),
+                  f"{module_name} is a transformers Conv1D (weight stored as (K, N)), not an nn.Linear")
+    config._tied = {key: names for key, names in owners.items() if len(names) > 1}
+    try:
+        torchao_quantize_(model, config, filter_fn=filter_fn, device=device)
+    finally:
+        config._tied = {}
 
 
 def int4_config(**options) -> Int4Config:
@@ -88,6 +120,15 @@ def int4_config(**options) -> Int4Config:
 def _quantize_linear(module: torch.nn.Module, config: Int4Config, **_) -> torch.nn.Module:
     weight = module.weight
     if isinstance(weight, CudaCoalescedInt4Tensor):
+        return module
+    if not isinstance(module, torch.nn.Linear):
+        # transformers hands embeddings here too (include_input_output_embeddings=True); the
+        # format serves F.linear only, so they stay dense.
+        _skip(config.report, tuple(weight.shape), f"{type(module).__name__} is not an nn.Linear")
+        return module
+    tied = config._tied.get(id(weight))
+    if tied:
+        _skip(config.report, tuple(weight.shape), f"weight tied across {', '.join(tied)}; kept dense so the tie holds")
         return module
     reason = unpackable_reason(weight)
     if reason is not None:

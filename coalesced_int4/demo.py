@@ -17,9 +17,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torchao.quantization import quantize_
 
-from coalesced_int4.config import int4_config
+from coalesced_int4.config import int4_config, quantize_
 from coalesced_int4.decoder import DEMO, Decoder, build_decoder, decode_step, generate
 from coalesced_int4.serialization import load_quantized, save_quantized
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor

@@ -8,12 +8,10 @@ from torch._library import triton as triton_ops_registry
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 
 __all__ = [
-    "IncompatibleKeys",
     "TorchDispatchMode",
     "disable_current_modes",
     "is_fake",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from local directories only
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter (set before they import).
     os.environ.setdefault("TRITON_INTERPRET", "1")

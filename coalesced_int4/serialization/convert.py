@@ -5,7 +5,8 @@ when it is a 2-D floating ``*.weight`` whose K is a multiple of 256, its name ma
 ``include`` pattern and no ``exclude`` pattern (fnmatch; embeddings are excluded by default,
 since only linear weights may be quantized); everything else is copied as it is. Output shards
 are flushed as they fill, so peak memory is about one source shard plus one output shard.
-``config.json``, ``generation_config.json`` and tokenizer files are copied along.
+``config.json`` (with a ``quantization_config`` that lets transformers' ``from_pretrained`` read
+the output), ``generation_config.json`` and tokenizer files are copied along.
 
 Before anything is written the converter checks that SRC and DST do not overlap, that DST is
 not a file, that every source header is readable, that the source is not already one of our
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -31,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from coalesced_int4.quantize import quantize_weight, unpackable_reason
-from coalesced_int4.serialization.format import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from coalesced_int4.serialization.format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, holds_quantized_weights
 from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict, verify_checkpoint
 from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
@@ -118,7 +119,7 @@ def _check_sources(files: List[Path], include: Sequence[str], exclude: Sequence[
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                if (handle.metadata() or {}).get("format") == FORMAT_NAME:
+                if holds_quantized_weights(handle.metadata()):
                     raise CheckpointError(f"{file}: is already a {FORMAT_NAME} checkpoint; nothing to convert")
                 for name in handle.keys():
                     piece = handle.get_slice(name)
@@ -133,16 +134,37 @@ def _check_sources(files: List[Path], include: Sequence[str], exclude: Sequence[
     return total
 
 
-def _side_files(src: Path, dst: Path) -> List[Path]:
-    """The source's config and tokenizer files; raises if one would overwrite another file."""
+def hf_quantization_config() -> dict:
+    """The ``quantization_config`` of a Hugging Face ``config.json`` that makes
+    ``from_pretrained`` read our weights: transformers' ``TorchAoConfig`` with ``Int4Config``."""
+    from torchao.core.config import config_to_dict
+
+    from coalesced_int4.config import Int4Config
+
+    return {"quant_method": "torchao", "quant_type": {"default": config_to_dict(Int4Config())},
+            "modules_to_not_convert": None, "include_input_output_embeddings": False,
+            "untie_embedding_weights": False}
+
+
+def _side_files(src: Path, dst: Path) -> Dict[str, bytes]:
+    """The source's config and tokenizer files as they will be written (``config.json`` with
+    our ``quantization_config``); raises if one would overwrite a different file in DST."""
     if not src.is_dir():
-        return []
-    sides = [side for side in sorted(src.iterdir())
-             if side.is_file() and (side.name in _SIDE_FILES or side.name.startswith("tokenizer"))]
-    for side in sides:
-        target = dst / side.name
-        if target.exists() and target.read_bytes() != side.read_bytes():
-            raise CheckpointError(f"{target}: exists and differs from {side}; refusing to overwrite it")
+        return {}
+    sides = {side.name: side.read_bytes() for side in sorted(src.iterdir())
+             if side.is_file() and (side.name in _SIDE_FILES or side.name.startswith("tokenizer"))}
+    if "config.json" in sides:
+        try:
+            config = json.loads(sides["config.json"])
+        except ValueError as error:
+            raise CheckpointError(f"{src / 'config.json'}: unreadable JSON ({error})")
+        config["quantization_config"] = hf_quantization_config()
+        sides["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    for name, content in sides.items():
+        target = dst / name
+        if target.exists() and target.read_bytes() != content:
+            raise CheckpointError(f"{target}: exists and differs from what the conversion writes; "
+                                  f"refusing to overwrite it")
     return sides
 
 
@@ -180,8 +202,8 @@ def convert_checkpoint(
         progress.close()
         summary.files = writer.commit()
     summary.bytes_out = writer.total_bytes
-    for side in sides:
-        shutil.copy2(side, dst / side.name)
+    for name, content in sides.items():
+        (dst / name).write_bytes(content)
     summary.seconds = time.perf_counter() - start
     return summary
 

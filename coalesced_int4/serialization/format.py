@@ -5,7 +5,10 @@ A quantized weight named ``<module>.<param>`` is stored as five plain tensors
 ``qdata, scale, scale_step, zero_point, zero_point_step``; a plain tensor keeps its name. Each
 file's header metadata holds:
 
-* ``format`` = ``coalesced_int4`` and ``format_version`` = ``1``;
+* ``format`` = ``pt`` (the safetensors convention transformers requires) and
+  ``coalesced_int4_version`` = ``1``; files written before that header hold ``format`` =
+  ``coalesced_int4`` and ``format_version`` instead, and files that transformers'
+  ``save_pretrained`` writes hold ``format`` = ``pt`` and no version (read as version 1);
 * ``tensor_names``: JSON list of the state-dict names stored in this file;
 * ``checksums``: JSON object, stored tensor key -> CRC-32 of its bytes (8 hex digits);
 * per name, JSON ``{"_type": "CudaCoalescedInt4Tensor", "_data": {attributes},
@@ -29,9 +32,11 @@ from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 
 FORMAT_NAME = "coalesced_int4"
 FORMAT_VERSION = 1
+VERSION_KEY = "coalesced_int4_version"
+SAFETENSORS_FORMAT = "pt"
 QUANTIZED_TYPE = CudaCoalescedInt4Tensor.__name__
 PLAIN_TYPE = torch.Tensor.__name__
-RESERVED_METADATA = ("format", "format_version", "tensor_names", "checksums")
+RESERVED_METADATA = ("format", "format_version", VERSION_KEY, "tensor_names", "checksums")
 STEP_COMPONENTS = ("scale_step", "zero_point_step")
 
 
@@ -76,8 +81,8 @@ def file_metadata(names, entry_meta: Mapping[str, str], user: Mapping[str, str],
         raise ValueError(f"metadata keys {clash} are reserved by the checkpoint format")
     return {
         **{str(k): str(v) for k, v in user.items()},
-        "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format": SAFETENSORS_FORMAT,
+        VERSION_KEY: str(FORMAT_VERSION),
         "tensor_names": json.dumps(list(names)),
         "checksums": json.dumps(dict(checksums)),
         **entry_meta,
@@ -96,20 +101,40 @@ def recorded_checksums(file: str, metadata: Mapping[str, str]) -> Dict[str, str]
     return checksums
 
 
+def written_by_this_library(metadata: Mapping[str, str] | None) -> bool:
+    """Whether a file's header is one ``save_quantized`` or the converter wrote."""
+    metadata = metadata or {}
+    return VERSION_KEY in metadata or metadata.get("format") == FORMAT_NAME
+
+
+def holds_quantized_weights(metadata: Mapping[str, str] | None) -> bool:
+    """Whether a file's header describes any ``CudaCoalescedInt4Tensor`` entry."""
+    for value in (metadata or {}).values():
+        try:
+            if json.loads(value).get("_type") == QUANTIZED_TYPE:
+                return True
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return False
+
+
 def check_file_metadata(file: str, metadata: Mapping[str, str] | None) -> list:
     """The state-dict names a file holds; raises if it is not our format or is newer."""
     metadata = metadata or {}
-    if metadata.get("format") != FORMAT_NAME:
+    if metadata.get("format") == FORMAT_NAME:
+        key, version = "format_version", metadata.get("format_version", "")
+    elif metadata.get("format") == SAFETENSORS_FORMAT and "tensor_names" in metadata:
+        key, version = VERSION_KEY, metadata.get(VERSION_KEY, str(FORMAT_VERSION))
+    else:
         raise CheckpointError(
-            f"{file}: not a {FORMAT_NAME} checkpoint "
-            f"(header metadata format={metadata.get('format')!r})"
+            f"{file}: not a {FORMAT_NAME} checkpoint (header metadata format={metadata.get('format')!r} "
+            f"without tensor_names)"
         )
-    version = metadata.get("format_version", "")
     if not re.fullmatch(r"[0-9]+", version):
-        raise CheckpointError(f"{file}: unreadable format_version {version!r}")
+        raise CheckpointError(f"{file}: unreadable {key} {version!r}")
     if int(version) > FORMAT_VERSION:
         raise CheckpointError(
-            f"{file}: format_version {version} is newer than this library reads "
+            f"{file}: {key} {version} is newer than this library reads "
             f"({FORMAT_VERSION}); upgrade coalesced-int4"
         )
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
@@ -30,7 +31,8 @@ from coalesced_int4.serialization.format import (
 )
 from coalesced_int4.serialization.writer import INDEX_FILE, SINGLE_FILE, is_plain_file_name, tensor_checksum
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
-from coalesced_int4.torch_internals import IncompatibleKeys
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -180,10 +182,14 @@ def load_quantized(
     dense one, or an already quantized one: each parameter or buffer is replaced by the stored
     tensor, placed on ``device`` (default: where the model's tensor is, or the CPU for meta).
     With ``strict``, missing or unexpected keys raise before anything is loaded; otherwise they
-    are returned like ``nn.Module.load_state_dict`` does. A plain tensor stored in another dtype
-    than the model's tensor is an error naming it, unless ``cast`` (then it is cast to the
-    model's dtype). ``verify`` checks every stored tensor's checksum as it is read. Returns the
-    model's ``IncompatibleKeys(missing_keys, unexpected_keys)``.
+    are logged as a warning and skipped. A plain tensor stored in another dtype than the model's
+    tensor is an error naming it, unless ``cast`` (then it is cast to the model's dtype).
+    ``verify`` checks every stored tensor's checksum as it is read. Returns ``model``.
+
+    A tensor still on the meta device afterwards (a key the checkpoint lacks, or a
+    non-persistent buffer such as a rotary ``inv_freq``, which checkpoints never hold) would
+    crash the first forward, so it is an error naming it: build such models with buffers on a
+    real device (accelerate's ``init_empty_weights()`` does, ``torch.device("meta")`` does not).
     """
     files = _read_headers(path)
     expected = set(model.state_dict(keep_vars=True))
@@ -201,9 +207,18 @@ def load_quantized(
             for name in file.names:
                 if name in expected:
                     check(model, file, name)
+    if missing or unexpected:
+        logger.warning("%s: loaded with strict=False; missing from the checkpoint: %s; unexpected: %s",
+                       path, missing, unexpected)
     for file_path, name, value in _read_entries(files, "cpu", wanted=expected, verify=verify):
         _assign(model, name, value, device, cast)
-    return IncompatibleKeys(missing, unexpected)
+    left_on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if left_on_meta:
+        raise CheckpointError(
+            f"{path}: after loading, {len(left_on_meta)} tensors of the model are still on the meta device "
+            f"(first: {left_on_meta[0]!r}); the checkpoint does not hold them, so build the model with them "
+            f"on a real device (e.g. accelerate's init_empty_weights(), which keeps buffers real)")
+    return model
 
 
 def _owner(model: torch.nn.Module, name: str):

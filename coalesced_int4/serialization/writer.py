@@ -39,6 +39,7 @@ from coalesced_int4.serialization.format import (
     CheckpointError,
     file_metadata,
     flatten_entry,
+    written_by_this_library,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -183,16 +184,10 @@ def refuse_foreign_checkpoint(directory: Path) -> None:
                 f"{index}: refusing to save over a checkpoint this library did not write (index format "
                 f"{owner!r}); save into an empty directory or one of our checkpoints")
     single = directory / SINGLE_FILE
-    if single.exists():
-        try:
-            with safe_open(str(single), framework="pt") as handle:
-                owner = (handle.metadata() or {}).get("format")
-        except (SafetensorError, OSError):
-            owner = "unreadable"
-        if owner != FORMAT_NAME:
-            raise CheckpointError(
-                f"{single}: refusing to overwrite a file this library did not write (header format "
-                f"{owner!r}); save into an empty directory or one of our checkpoints")
+    if single.exists() and not _written_by_us(single):
+        raise CheckpointError(
+            f"{single}: refusing to overwrite a file this library did not write (another tool's or "
+            f"unreadable header); save into an empty directory or one of our checkpoints")
 
 
 def _shards_named_by(index: Path) -> List[Path]:
@@ -215,7 +210,7 @@ def _written_by_us(file: Path) -> bool:
         return False
     try:
         with safe_open(str(file), framework="pt") as handle:
-            return (handle.metadata() or {}).get("format") == FORMAT_NAME
+            return written_by_this_library(handle.metadata())
     except (SafetensorError, OSError):
         return False
 

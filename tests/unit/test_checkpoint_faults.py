@@ -343,8 +343,8 @@ def test_a_stored_tensor_no_entry_claims_is_an_error(saved):
 
 @pytest.mark.parametrize("version", ["²", "1.0", "-1", ""])
 def test_unreadable_format_versions_are_named(saved, version):
-    rewrite_safetensors(saved, edit_meta=lambda m: m.update(format_version=version))
-    with pytest.raises(CheckpointError, match=rf"{saved}: unreadable format_version"):
+    rewrite_safetensors(saved, edit_meta=lambda m: m.update(coalesced_int4_version=version))
+    with pytest.raises(CheckpointError, match=rf"{saved}: unreadable coalesced_int4_version"):
         ci4.load_state_dict(saved.parent)
 
 

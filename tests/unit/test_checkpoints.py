@@ -3,6 +3,7 @@ device, another device), atomic writes, and a clear error naming the file and te
 malformed input."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -65,7 +66,7 @@ def test_single_file_round_trip_is_bit_identical(tmp_path):
     _assert_same_state(model.state_dict(), ci4.load_state_dict(tmp_path))
     with safe_open(str(files[0]), framework="pt") as handle:
         meta = handle.metadata()
-    assert meta["format"] == "coalesced_int4" and meta["format_version"] == "1"
+    assert meta["format"] == "pt" and meta["coalesced_int4_version"] == "1"
     up = json.loads(meta["up.weight"])
     assert up["_type"] == "CudaCoalescedInt4Tensor"
     assert up["_data"]["shape"] == [512, 256] and up["_data"]["block_size"] == [1, 32]
@@ -99,8 +100,7 @@ def test_meta_device_model_loads_by_assignment_and_gives_identical_outputs(tmp_p
     ci4.save_quantized(model, tmp_path, max_shard_size=30_000)
     with torch.device("meta"):
         fresh = Tiny().to(torch.bfloat16)
-    result = ci4.load_quantized(fresh, tmp_path)
-    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert ci4.load_quantized(fresh, tmp_path) is fresh
     assert isinstance(fresh.up.weight, CudaCoalescedInt4Tensor) and fresh.up.weight.device.type == "cpu"
     assert not any(t.is_meta for t in fresh.state_dict().values())
     assert torch.equal(fresh(TOKENS), model(TOKENS))
@@ -226,7 +226,7 @@ def test_missing_shard(tmp_path):
         ci4.load_state_dict(tmp_path)
 
 
-def test_missing_and_unexpected_keys_under_strict(saved):
+def test_missing_and_unexpected_keys_under_strict(saved, caplog):
     rewrite_safetensors(saved, edit_meta=lambda m: m.update(tensor_names=json.dumps(
         [n for n in json.loads(m["tensor_names"]) if n != "norm.weight"] + ["extra"]),
         extra=json.dumps({"_type": "Tensor"})),
@@ -238,9 +238,14 @@ def test_missing_and_unexpected_keys_under_strict(saved):
     assert "missing from the checkpoint: 'norm.weight'" in str(error.value)
     assert f"unexpected in {saved}: 'extra'" in str(error.value)
     assert model.up.weight.is_meta  # nothing was loaded
-    result = ci4.load_quantized(model, saved.parent, strict=False)
-    assert result.missing_keys == ["norm.weight"] and result.unexpected_keys == ["extra"]
-    assert isinstance(model.up.weight, CudaCoalescedInt4Tensor)
+    with pytest.raises(CheckpointError, match=r"1 tensors of the model are still on the meta device \(first: 'norm.weight'\)"):
+        ci4.load_quantized(model, saved.parent, strict=False)
+    real = Tiny().to(torch.bfloat16)
+    norm = real.norm.weight.detach().clone()
+    with caplog.at_level(logging.WARNING):
+        assert ci4.load_quantized(real, saved.parent, strict=False) is real
+    assert "missing from the checkpoint: ['norm.weight']; unexpected: ['extra']" in caplog.text
+    assert isinstance(real.up.weight, CudaCoalescedInt4Tensor) and torch.equal(real.norm.weight, norm)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +280,8 @@ def test_a_quantized_weight_that_disagrees_with_the_module(saved):
 @pytest.mark.parametrize(
     "edit, message",
     [(lambda m: m.update(format="torchao"), "not a coalesced_int4 checkpoint"),
-     (lambda m: m.update(format_version="2"), "format_version 2 is newer than this library reads"),
+     (lambda m: m.update(coalesced_int4_version="2"), "coalesced_int4_version 2 is newer than this library reads"),
+     (lambda m: m.update(format="coalesced_int4", format_version="2"), "format_version 2 is newer than this library"),
      (lambda m: m.update({"up.weight": json.dumps({"_type": "Mystery"})}), "'up.weight' has unknown type 'Mystery'")],
 )
 def test_unknown_formats_and_versions(saved, edit, message):

@@ -1,6 +1,7 @@
 """quantize_(model, int4_config()): every packable linear is quantized, others stay dense with
 one log line per reason, the report counts both, and both quantize_ spellings are one function."""
 
+import copy
 import logging
 
 import pytest
@@ -20,8 +21,17 @@ def _model():
     ).to(torch.bfloat16)
 
 
-def test_quantize_is_torchaos_function():
-    assert ci4.quantize_ is torchao.quantization.quantize_
+def test_torchaos_quantize_runs_the_same_handler_as_ours_on_an_untied_model():
+    torch.manual_seed(0)
+    ours = _model()
+    theirs = copy.deepcopy(ours)
+    ci4.quantize_(ours, int4_config())
+    torchao.quantization.quantize_(theirs, int4_config())
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        if isinstance(a, CudaCoalescedInt4Tensor):
+            assert all(torch.equal(x, y) for x, y in zip(a.packed, b.packed)), name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_packable_linears_are_quantized_and_the_rest_stay_dense(caplog):

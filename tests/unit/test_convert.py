@@ -54,7 +54,10 @@ def test_converter_quantizes_linear_weights_and_copies_the_rest(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(value.packed, quantize_weight(dense[name])))
         else:
             assert value.dtype == dense[name].dtype and torch.equal(value, dense[name])
-    assert (tmp_path / "dst" / "config.json").read_text() == '{"model_type": "llama"}'
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["quantization_config"]["quant_method"] == "torchao"
+    assert config["quantization_config"]["quant_type"]["default"]["_type"] == "Int4Config"
     assert (tmp_path / "dst" / "tokenizer.json").exists()
     assert not (tmp_path / "dst" / "pytorch_model.bin").exists()
     assert (tmp_path / "dst" / "model.safetensors.index.json").exists()

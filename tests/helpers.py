@@ -34,16 +34,16 @@ PERF_TOOLS = os.path.join(ROOT, "tools", "perf")
 
 _SM90_MAIN_LOOP = textwrap.dedent("""
     import importlib, json, sys
-    from sass_census import compile_for_sm90, main_loop, sass_of
+    from sass_census import compile_offline, main_loop, sass_of
     module, kernel, pointers, constants, warps = json.loads(sys.argv[1])
-    compiled = compile_for_sm90(getattr(importlib.import_module(module), kernel), pointers, constants, warps=warps)
+    compiled = compile_offline(getattr(importlib.import_module(module), kernel), pointers, constants, warps=warps)
     print(json.dumps(main_loop(sass_of(compiled)[0])))
 """)
 
 
 def sm90_main_loop(module: str, kernel: str, pointers: dict, constants: dict, warps: int = 4):
     """The main loop of ``tools/perf/<module>.py``'s ``kernel`` compiled offline for sm_90
-    (``sass_census.compile_for_sm90``, in a child process: this one runs the interpreter),
+    (``sass_census.compile_offline``, in a child process: this one runs the interpreter),
     one instruction a line without its ``;`` and encoding."""
     child = run_compiling_python(_SM90_MAIN_LOOP, json.dumps([module, kernel, pointers, constants, warps]),
                                  path=(ROOT, BENCHMARKS, PERF_TOOLS))

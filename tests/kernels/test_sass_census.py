@@ -131,7 +131,7 @@ def test_w4a16_partials_skip_shared_memory_where_stored_in_place(bucket, batch_r
 # says: the PTX (in program order, the wait first in the entry block) of each.
 DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
     import json, sys
-    from sass_census import POINTERS, CODE_WORDS, compile_for_sm90
+    from sass_census import POINTERS, CODE_WORDS, compile_offline
     from coalesced_int4.kernels.gemm.split_k import _splitk_reduce_kernel
     from coalesced_int4.kernels.gemm.w4a8 import _quantize_kernel, _w4a8_kernel
     from coalesced_int4.kernels.gemm.w4a16 import _w4a16_kernel
@@ -152,7 +152,7 @@ DEPENDENT_LAUNCH_PTX = textwrap.dedent("""
         "reduce": (_splitk_reduce_kernel, {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(SPLIT_K=4, BLOCK_N=128, INTERPRET=False)),
     }
-    ptx = {name: compile_for_sm90(kernel, pointers, {**constants, "DEPENDENT_LAUNCH": dependent}, 4,
+    ptx = {name: compile_offline(kernel, pointers, {**constants, "DEPENDENT_LAUNCH": dependent}, 4,
                                   constants.get("STAGES", 1)).asm["ptx"]
            for name, (kernel, pointers, constants) in kernels.items()}
     print(json.dumps(ptx))

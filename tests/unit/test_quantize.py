@@ -185,3 +185,11 @@ def test_unsupported_group_size_and_method_are_rejected():
         quantize_weight(torch.randn(4, 256), group_size=64)
     with pytest.raises(ValueError, match="unknown quantization method 'hqq'"):
         quantize_weight(torch.randn(4, 256), method="hqq")
+
+
+def test_the_compiled_quantizer_gives_eagers_bits():
+    weight = random_weight(1024, 1024, seed=7)
+    eager = quantize_weight(weight)
+    compiled = torch.compile(quantize_weight, fullgraph=True)(weight)
+    for name, a, b in zip(eager._fields, eager, compiled):
+        assert torch.equal(a, b), name

@@ -64,19 +64,19 @@ def cuobjdump(*args: str) -> str:
     return subprocess.run([tool, *args], capture_output=True, text=True, check=True).stdout
 
 
-def compile_for_sm90(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1,
-                     maxnreg: Optional[int] = None):
-    """``kernel`` (Triton or Gluon) compiled for sm_90 offline: ``pointers`` maps pointer
-    arguments to Triton types, ``constants`` the constexpr ones; every other argument is an
-    int32, and pointers and ``DIVISIBLE_BY_16`` arguments are specialized as a launch on model
-    shapes does. ``maxnreg``: a config's register cap."""
+def compile_offline(kernel, pointers: Dict[str, str], constants: dict, warps: int, stages: int = 1,
+                    maxnreg: Optional[int] = None, capability: int = 90):
+    """``kernel`` (Triton or Gluon) compiled offline for ``sm_{capability}`` (default sm_90):
+    ``pointers`` maps pointer arguments to Triton types, ``constants`` the constexpr ones; every
+    other argument is an int32, and pointers and ``DIVISIBLE_BY_16`` arguments are specialized
+    as a launch on model shapes does. ``maxnreg``: a config's register cap."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in DIVISIBLE_BY_16}
     source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     source = source_type(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def census(family: str, constants: dict, warps: int, prequantized: bool = False,
@@ -90,7 +90,7 @@ def census(family: str, constants: dict, warps: int, prequantized: bool = False,
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
     launch = {"DEPENDENT_LAUNCH": True, **({"BALANCED": False} if family == "w4a16" else {})}
-    compiled = compile_for_sm90(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"], maxnreg)
+    compiled = compile_offline(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"], maxnreg)
     body, registers = sass_of(compiled)
     threads = 32 * warps
     allocated = -(-max(registers, 1) // 8) * 8  # registers are granted in steps of 8 per thread

@@ -1,7 +1,9 @@
 """Which arguments each INT4 GEMM bucket op takes, written once.
 
 ``unsupported_reason`` is the one argument rule: dispatch asks it before choosing a bucket,
-each op checks it, and the tests call it. ``check_split_k`` is the one split-K legality rule.
+each op checks it, and the tests call it; it includes each family's least compute capability,
+so a GPU the kernels do not compile for takes the other family or the fallback.
+``check_split_k`` is the one split-K legality rule.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Optional
 import torch
 
 from coalesced_int4.kernels.autotune.launch_params import InvalidLaunchParam
+from coalesced_int4.kernels.runtime.device import compute_capability
 from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK
 from coalesced_int4.torch_internals import is_fake, statically_known_true
 
@@ -19,6 +22,10 @@ W4A8_BUCKETS = (1, 2, 3, 4)
 """Decode buckets: activations quantized to int8, dot products on dp4a."""
 W4A16_BUCKETS = (8, 16, 32, 64)
 """Small-batch buckets: weights decoded to bf16, dot products on tensor cores."""
+MIN_CAPABILITY = {**{b: (8, 0) for b in W4A8_BUCKETS}, **{b: (9, 0) for b in W4A16_BUCKETS}}
+"""The least compute capability each bucket's kernel compiles for. The W4A16 decode's inline
+PTX (``cvt`` to bf16 pairs from u32, ``mul.bf16x2``) and its TMA activation copies exist on
+sm_90 only; the W4A8 kernel's dp4a and fp32 math compile for sm_80."""
 
 CODE_WORD = torch.int32
 """The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of
@@ -84,6 +91,11 @@ def unsupported_reason(
         return "activation must be on a CUDA device (or fake while tracing)"
     if any(t.device != x.device for t in tensors[1:]):
         return "activation and weights must be on the same device"
+    capability = compute_capability(x.device)
+    if capability is not None and capability < MIN_CAPABILITY[bucket]:
+        family = "W4A8" if bucket in W4A8_BUCKETS else "W4A16"
+        return (f"the {family} kernels need compute capability {'.'.join(map(str, MIN_CAPABILITY[bucket]))} or "
+                f"newer, the device has {'.'.join(map(str, capability))}")
     n = qdata.shape[0]
     if qdata.shape[1] * 2 != k:
         return f"qdata K/2 mismatch: x K={k}, qdata K/2={qdata.shape[1]}"

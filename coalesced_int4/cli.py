@@ -2,6 +2,8 @@
 
 demo      the built-in decoder end to end (no arguments, no network)
 quantize  convert a Hugging Face safetensors checkpoint, streaming
+generate  greedy text from a Hugging Face model (``--quantize`` quantizes a dense one at load)
+eval      perplexity of a Hugging Face model over strided windows of a text file
 inspect   summarise a checkpoint; ``--error SRC`` adds per-layer SNR against the dense source,
           ``--verify`` checks every stored tensor against its recorded checksum
 
@@ -35,6 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--device", default="cpu", help="where to quantize, e.g. cuda")
     quantize.add_argument("--max-shard-size", default="5GB")
 
+    for name, help_text in (("generate", "greedy text from a Hugging Face model"),
+                            ("eval", "perplexity of a Hugging Face model on a text file")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("model", help="transformers model directory (dense or quantized) or a .gguf file")
+        command.add_argument("--quantize", action="store_true", help="quantize a dense model at load")
+        command.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    generate = commands.choices["generate"]
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    evaluate = commands.choices["eval"]
+    evaluate.add_argument("--text", required=True, help="a plain text file")
+    evaluate.add_argument("--window", type=int, default=512, help="tokens a window sees")
+    evaluate.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    evaluate.add_argument("--max-windows", type=int, default=0, help="stop after this many windows (0: all)")
+
     inspect = commands.add_parser("inspect", help="summarise a quantized checkpoint")
     inspect.add_argument("path")
     inspect.add_argument("--error", metavar="SRC", default=None,
@@ -64,6 +81,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 max_shard_size=args.max_shard_size,
             )
             print(summary)
+        elif args.command in ("generate", "eval"):
+            from pathlib import Path
+
+            import torch
+
+            from coalesced_int4 import hf_tools
+
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model, tokenizer = hf_tools.load(args.model, quantize=args.quantize, device=device)
+            if args.command == "generate":
+                print(hf_tools.generate_text(model, tokenizer, args.prompt, args.max_new_tokens))
+            else:
+                text = Path(args.text).read_text()
+                ppl = hf_tools.perplexity(model, tokenizer, text, args.window, args.stride, args.max_windows)
+                print(f"perplexity {ppl:.3f} ({args.text}, window {args.window}, stride {args.stride})")
         elif args.command == "inspect":
             from coalesced_int4.serialization.convert import inspect_checkpoint
 

@@ -165,6 +165,7 @@ def smollm2(tmp_path_factory):
     dense.load_state_dict(loaded.state_dict())
     saved = tmp_path_factory.mktemp("smollm2")
     dense.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
     return saved, tokenizer
 
 
@@ -190,3 +191,47 @@ def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, tm
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert isinstance(reloaded.model.layers[3].mlp.down_proj.weight, CudaCoalescedInt4Tensor)
     assert "Berlin" in _continue(reloaded, tokenizer)
+
+
+TEXT = ("The city council met on Tuesday to discuss the new budget. Members argued about the cost of "
+        "repairing the old bridge, which has been closed since the spring floods. The mayor said the "
+        "work would start next month and take about a year. Local shops hope the reopening will bring "
+        "back the visitors they lost when the road was cut. ") * 3
+
+
+def test_the_generate_command_continues_a_prompt_with_a_model_quantized_at_load(smollm2, capsys):
+    dense_dir, _ = smollm2
+    assert main(["generate", str(dense_dir), "--prompt", "The capital of Germany is", "--max-new-tokens", "6",
+                 "--quantize", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Berlin" in out and "tokens/s" in out
+
+
+def test_strided_perplexity_matches_one_window_and_the_eval_command_runs(smollm2, tmp_path, capsys):
+    from coalesced_int4 import hf_tools
+
+    dense_dir, tokenizer = smollm2
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        whole = float(torch.exp(model(ids, labels=ids).loss))
+    assert hf_tools.perplexity(model, tokenizer, TEXT, window=ids.shape[1], stride=ids.shape[1]) == pytest.approx(
+        whole, rel=1e-6)
+    strided = hf_tools.perplexity(model, tokenizer, TEXT, window=64, stride=32)
+    assert 1.0 < strided < 100 and strided > whole * 0.9  # less context a token: no better than one window
+    (tmp_path / "text.txt").write_text(TEXT)
+    assert main(["eval", str(dense_dir), "--text", str(tmp_path / "text.txt"), "--window", "64", "--stride", "32",
+                 "--max-windows", "2", "--quantize", "--device", "cpu"]) == 0
+    assert "perplexity " in capsys.readouterr().out
+
+
+def test_weight_bytes_count_a_tied_storage_once():
+    from coalesced_int4 import hf_tools
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    unique = {id(p): p for p in model.parameters()}
+    expected = sum(p.numel() * p.element_size() for p in unique.values()) + sum(
+        b.untyped_storage().nbytes() for b in model.buffers())
+    assert hf_tools.weight_bytes(model) == expected

@@ -2,8 +2,10 @@
 
 ``convert_checkpoint(src, dst)`` streams the source one tensor at a time: a tensor is quantized
 when it is a 2-D floating ``*.weight`` whose K is a multiple of 256, its name matches an
-``include`` pattern and no ``exclude`` pattern (fnmatch; embeddings are excluded by default,
-since only linear weights may be quantized); everything else is copied as it is. Output shards
+``include`` pattern and no ``exclude`` pattern (fnmatch; embeddings are excluded by default),
+and, where the source has a ``config.json`` that transformers can build a model from (on the
+meta device), it is the weight of one of that model's ``nn.Linear`` modules: so GPT-2's
+``Conv1D`` weights and position embeddings stay dense. Everything else is copied as it is. Output shards
 are flushed as they fill, so peak memory is about one source shard plus one output shard.
 ``config.json`` (with a ``quantization_config`` that lets transformers' ``from_pretrained`` read
 the output), ``generation_config.json`` and tokenizer files are copied along.
@@ -22,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,6 +39,8 @@ from coalesced_int4.serialization.format import FORMAT_NAME, FORMAT_VERSION, Che
 from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict, verify_checkpoint
 from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_EXCLUDE = ("*embed*",)
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,11 +78,45 @@ def source_files(src: Path) -> List[Path]:
     return files
 
 
+def linear_weight_names(src: Path) -> Optional[Set[str]]:
+    """The names of the ``nn.Linear`` weights of the model ``src/config.json`` describes, built
+    on the meta device with transformers (also without the base model's prefix, as checkpoints
+    of a base model store them); None (quantize by name) where there is no config, no
+    transformers, or a config it cannot build."""
+    config_path = src / "config.json" if src.is_dir() else src.parent / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(config_path.parent)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError) as error:
+        logger.warning("%s: transformers cannot build the model it describes (%s); quantizing by tensor name",
+                       config_path, str(error).splitlines()[0])
+        return None
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            names.add(f"{module_name}.weight")
+            if prefix and module_name.startswith(prefix):
+                names.add(f"{module_name[len(prefix):]}.weight")
+    return names
+
+
 def should_quantize(
     name: str, tensor_shape: Sequence[int], dtype: torch.dtype,
-    include: Sequence[str], exclude: Sequence[str],
+    include: Sequence[str], exclude: Sequence[str], linear_weights: Optional[Set[str]] = None,
 ) -> bool:
+    """A floating ``*.weight`` the format can hold, selected by the patterns, and (where the
+    model's structure is known) the weight of an ``nn.Linear``."""
     if not name.endswith(".weight") or dtype not in QUANTIZABLE_DTYPES:
+        return False
+    if linear_weights is not None and name not in linear_weights:
         return False
     if unpackable_reason(torch.empty(tensor_shape, dtype=dtype, device="meta")) is not None:
         return False
@@ -180,6 +219,7 @@ def convert_checkpoint(
     _check_paths(src, dst)
     files = source_files(src)
     total = _check_sources(files, include, exclude)
+    linear_weights = linear_weight_names(src)
     sides = _side_files(src, dst)
     summary = ConversionSummary()
     start = time.perf_counter()
@@ -188,7 +228,7 @@ def convert_checkpoint(
         for file, name, handle in _source_tensors(files):
             tensor = handle.get_tensor(name)
             summary.bytes_in += tensor.numel() * tensor.element_size()
-            if should_quantize(name, tensor.shape, tensor.dtype, include, exclude):
+            if should_quantize(name, tensor.shape, tensor.dtype, include, exclude, linear_weights):
                 try:
                     packed = quantize_weight(tensor.to(device))
                 except ValueError as error:

@@ -235,3 +235,18 @@ def test_weight_bytes_count_a_tied_storage_once():
     expected = sum(p.numel() * p.element_size() for p in unique.values()) + sum(
         b.untyped_storage().nbytes() for b in model.buffers())
     assert hf_tools.weight_bytes(model) == expected
+
+
+def test_the_converter_decides_by_structure_and_leaves_gpt2_conv1d_and_embeddings_dense(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=256, n_layer=1, n_head=4, vocab_size=1000, n_positions=64))
+    model = model.to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    assert main(["quantize", str(tmp_path / "gpt2"), str(tmp_path / "q")]) == 0
+    state = ci4.load_state_dict(tmp_path / "q")
+    # By name alone c_attn.weight (256 x 768), wte and wpe would have been quantized.
+    assert not any(isinstance(value, CudaCoalescedInt4Tensor) for value in state.values())
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    assert torch.equal(converted(TOKENS).logits, model(TOKENS).logits)

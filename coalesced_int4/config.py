@@ -101,7 +101,7 @@ def quantize_(model: torch.nn.Module, config: Int4Config, filter_fn=None, device
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(module_name or "<root>")
-        if type(module).__name__ == "Conv1D" and not isinstance(module, torch.nn.Linear):
+        if type(module).__name__ == "Conv1D":
             _skip(config.report, tuple(module.weight.shape),
                   f"{module_name} is a transformers Conv1D (weight stored as (K, N)), not an nn.Linear")
     config._tied = {key: names for key, names in owners.items() if len(names) > 1}

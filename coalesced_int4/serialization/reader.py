@@ -134,12 +134,10 @@ def _read_entries(
                 for name in file.names:
                     if wanted is not None and name not in wanted:
                         continue
-                    components = {
-                        component: handle.get_tensor(key)
-                        for component, key in stored_keys(str(file.path), name, file.metadata)
-                    }
-                    if verify:
-                        for component, key in stored_keys(str(file.path), name, file.metadata):
+                    components = {}
+                    for component, key in stored_keys(str(file.path), name, file.metadata):
+                        components[component] = handle.get_tensor(key)
+                        if verify:
                             _verify(file.path, key, name, components[component], checksums)
                     value = build_entry(str(file.path), name, file.metadata, components)
                     yield file.path, name, value.to(device)

@@ -174,15 +174,10 @@ def refuse_foreign_checkpoint(directory: Path) -> None:
     """Raise if ``directory`` holds a ``model.safetensors`` or an index this library did not
     write, since saving there would replace or orphan another tool's checkpoint."""
     index = directory / INDEX_FILE
-    if index.exists():
-        try:
-            owner = json.loads(index.read_text()).get("metadata", {}).get("format")
-        except (OSError, ValueError, AttributeError):
-            owner = "unreadable"
-        if owner != FORMAT_NAME:
-            raise CheckpointError(
-                f"{index}: refusing to save over a checkpoint this library did not write (index format "
-                f"{owner!r}); save into an empty directory or one of our checkpoints")
+    if index.exists() and _our_index(index) is None:
+        raise CheckpointError(
+            f"{index}: refusing to save over a checkpoint this library did not write (another tool's or "
+            f"unreadable index); save into an empty directory or one of our checkpoints")
     single = directory / SINGLE_FILE
     if single.exists() and not _written_by_us(single):
         raise CheckpointError(
@@ -190,17 +185,23 @@ def refuse_foreign_checkpoint(directory: Path) -> None:
             f"unreadable header); save into an empty directory or one of our checkpoints")
 
 
+def _our_index(index: Path) -> Optional[dict]:
+    """The content of the index at ``index`` if this library wrote it, else None."""
+    try:
+        content = json.loads(index.read_text())
+        return content if content["metadata"]["format"] == FORMAT_NAME else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _shards_named_by(index: Path) -> List[Path]:
     """The shard files our index at ``index`` names, if it is ours: plain file names of
     .safetensors files whose header is ours (a tampered index cannot point it elsewhere)."""
-    try:
-        content = json.loads(index.read_text())
-        if content["metadata"]["format"] != FORMAT_NAME:
-            return []
-        names = set(content["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    content = _our_index(index)
+    weight_map = content.get("weight_map") if content is not None else None
+    if not isinstance(weight_map, dict):
         return []
-    return [index.parent / name for name in names
+    return [index.parent / name for name in set(weight_map.values())
             if isinstance(name, str) and is_plain_file_name(name) and _written_by_us(index.parent / name)]
 
 

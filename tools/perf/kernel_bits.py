@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from coalesced_int4.kernels import W4A8_BUCKETS, int4_autotune_configs, launch
+from coalesced_int4.kernels.autotune.persistent import config_to_json
 from coalesced_int4.quantize import quantize_weight
 
 N, K = 1536, 2048
@@ -47,11 +48,6 @@ def configs_for(bucket: int):
     return [pointer, *tma]
 
 
-def config_name(config) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(config.kwargs.items())) + f",warps={config.num_warps}," \
-        f"maxnreg={config.maxnreg}"
-
-
 def fingerprints(buckets, device: str) -> Dict[str, str]:
     generator = torch.Generator().manual_seed(0)
     dense = torch.randn(N, K, generator=generator).to(torch.bfloat16)
@@ -66,7 +62,7 @@ def fingerprints(buckets, device: str) -> Dict[str, str]:
                     for m in rows_for(bucket):
                         y = launch(bucket, x_all[:m].contiguous(), *weights, 32, split_k=split, config=config,
                                    **variant)
-                        key = f"bucket={bucket} m={m} split={split} {variant} {config_name(config)}"
+                        key = f"bucket={bucket} m={m} split={split} {variant} {json.dumps(config_to_json(config))}"
                         out[key] = hashlib.sha256(y.cpu().view(torch.int16).numpy().tobytes()).hexdigest()
     return out
 

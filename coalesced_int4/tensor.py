@@ -10,8 +10,9 @@ Ops it handles (the table below is complete):
   (``coalesced_int4.dispatch``);
 * ``detach``, ``alias``, ``clone``, ``contiguous``, ``_to_copy`` (``.to(device)``), ``copy_``
   between tensors of equal metadata: applied to the five stored tensors (torchao's defaults);
-* ``slice`` (so ``narrow`` too) along N at any row range, and along K at multiples of 256,
-  returning views, so tensor parallelism can shard a weight in place.
+* ``slice`` (so ``narrow`` too) along N at any row range, and along K from a multiple of 256
+  to a multiple of 256 or K's end, returning views, so tensor parallelism can shard a weight
+  in place.
 
 Any other op raises ``NotImplementedError`` naming it and pointing at ``dequantize()``.
 """
@@ -33,6 +34,7 @@ from coalesced_int4.quantize import (
     dequantize_packed,
     encode_superscale,
     quantize_weight,
+    stored_k,
 )
 from coalesced_int4.source_hash import source_hash
 from coalesced_int4.torch_internals import return_and_correct_aliasing
@@ -46,7 +48,8 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     """INT4 codes with per-32 uint8 scale/zero codes and per-256 fp16 steps.
 
     ``w[n, k] = (q[n,k] - zero_point[n,g] * zero_point_step[n,b]) * (scale[n,g] * scale_step[n,b])``
-    with ``g = k // 32`` and ``b = k // 256``.
+    with ``g = k // 32`` and ``b = k // 256``. The shape is the logical ``(N, K)``; the data
+    hold ``stored_k(K)`` columns, the padding past K zero.
     """
 
     ACTIVATION_DTYPES = (torch.bfloat16,)
@@ -98,13 +101,18 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_packed(
-        cls, packed: PackedInt4, activation_dtype: Optional[torch.dtype] = None
+        cls, packed: PackedInt4, activation_dtype: Optional[torch.dtype] = None, k: Optional[int] = None
     ) -> "CudaCoalescedInt4Tensor":
+        """The tensor of ``packed``, whose logical K is ``k`` (default: every stored column)."""
         n, k_half = packed.qdata.shape
+        k = 2 * k_half if k is None else k
+        if stored_k(k) != 2 * k_half or k % GROUP_SIZE:
+            raise ValueError(f"K={k} is not stored in {2 * k_half} columns: K must be a multiple of {GROUP_SIZE} "
+                             f"stored padded to whole super-blocks of {SUPER_BLOCK}")
         return cls(
             *packed,
             block_size=[1, GROUP_SIZE],
-            shape=torch.Size((n, 2 * k_half)),
+            shape=torch.Size((n, k)),
             activation_dtype=activation_dtype,
         )
 
@@ -118,7 +126,7 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     ) -> "CudaCoalescedInt4Tensor":
         """Quantize a dense 2-D float weight (any device; the result stays there)."""
         return cls.from_packed(
-            quantize_weight(weight.detach(), group_size, method), activation_dtype
+            quantize_weight(weight.detach(), group_size, method), activation_dtype, k=weight.shape[1]
         )
 
     @classmethod
@@ -160,7 +168,7 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense ``(N, K)`` weight, computed exactly in fp32 and cast to ``dtype``."""
-        return dequantize_packed(self.packed, torch.float32).to(dtype)
+        return dequantize_packed(self.packed, torch.float32)[:, : self.shape[1]].to(dtype)
 
     def _stable_hash_for_caching(self) -> str:
         """Cache identity for torch.compile's AOTAutograd cache where torch asks for one (2.13
@@ -246,16 +254,16 @@ def _slice(func, types, args, kwargs):
             return t[start:end]
 
     else:
-        if start % SUPER_BLOCK or end % SUPER_BLOCK:
+        if start % SUPER_BLOCK or (end % SUPER_BLOCK and end != k):
             raise NotImplementedError(
-                f"{type(weight).__name__} slices K at multiples of {SUPER_BLOCK} only, "
-                f"got [{start}, {end}) of K={k}"
+                f"{type(weight).__name__} slices K from a multiple of {SUPER_BLOCK} to a multiple of "
+                f"{SUPER_BLOCK} or K's end, got [{start}, {end}) of K={k}"
             )
         new_shape = (n, end - start)
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            per_column = k // t.shape[1]  # 2 for qdata, 32 for codes, 256 for steps
-            return t[:, start // per_column : end // per_column]
+            per_column = stored_k(k) // t.shape[1]  # 2 for qdata, 32 for codes, 256 for steps
+            return t[:, start // per_column : stored_k(end) // per_column]
 
     result = CudaCoalescedInt4Tensor(
         *map(take, weight.packed),

@@ -87,7 +87,7 @@ def dequant_matmul_reference(x, packed):
     (the W4A16 kernels' chain), then a bf16 ``F.linear``; computed in fp32 here."""
     from coalesced_int4.quantize import PackedInt4, dequantize_packed
 
-    dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16)
+    dense = dequantize_packed(PackedInt4(*packed), torch.bfloat16)[:, : x.shape[1]]
     return (x.float() @ dense.float().t())
 
 

@@ -35,7 +35,7 @@ def quantized_linear(
     weight_args = (*weight.packed, weight.group_size)
     bucket = select_bucket(x_2d, weight_args)
     if bucket is None:
-        out = dequant_linear(x_2d, weight.packed)
+        out = dequant_linear(x_2d, weight.packed, k)
     else:
         from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
 
@@ -78,13 +78,14 @@ def select_bucket(x_2d: torch.Tensor, weight_args: tuple) -> Optional[int]:
     return None
 
 
-def dequant_linear(x_2d: torch.Tensor, packed: PackedInt4) -> torch.Tensor:
-    """``F.linear(x, w.dequantize(x.dtype))``, chunked along N for very tall weights."""
+def dequant_linear(x_2d: torch.Tensor, packed: PackedInt4, k: int) -> torch.Tensor:
+    """``F.linear(x, w.dequantize(x.dtype))`` for the weight's first ``k`` columns (its
+    logical K; the rest is padding), chunked along N for very tall weights."""
     n = packed.qdata.shape[0]
 
     def rows(start: int, end: int) -> torch.Tensor:
         part = PackedInt4(*(t[start:end] for t in packed))
-        return F.linear(x_2d, dequantize_packed(part, torch.float32).to(x_2d.dtype))
+        return F.linear(x_2d, dequantize_packed(part, torch.float32)[:, :k].to(x_2d.dtype))
 
     if n <= DEQUANT_N_THRESHOLD:
         return rows(0, n)

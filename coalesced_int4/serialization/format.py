@@ -27,7 +27,7 @@ from typing import Dict, Iterator, Mapping, Tuple
 
 import torch
 
-from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK, PackedInt4
+from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK, PackedInt4, stored_k
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 
 FORMAT_NAME = "coalesced_int4"
@@ -185,17 +185,18 @@ def build_entry(
     if dtype_name not in allowed:
         raise CheckpointError(f"{file}: tensor {name!r} declares activation_dtype {dtype_name!r}; a quantized "
                               f"weight's activation dtype must be one of {sorted(allowed)}")
-    if block_size != [1, GROUP_SIZE] or k % SUPER_BLOCK or n <= 0 or k <= 0:
+    if block_size != [1, GROUP_SIZE] or k % GROUP_SIZE or n <= 0 or k <= 0:
         raise CheckpointError(
             f"{file}: tensor {name!r} has shape {[n, k]} and block_size {block_size}; "
-            f"the format needs block_size [1, {GROUP_SIZE}] and K a multiple of {SUPER_BLOCK}"
+            f"the format needs block_size [1, {GROUP_SIZE}] and K a multiple of {GROUP_SIZE}"
         )
+    stored = stored_k(k)
     expected = {
-        "qdata": (torch.uint8, (n, k // 2)),
-        "scale": (torch.uint8, (n, k // GROUP_SIZE)),
-        "scale_step": (torch.float16, (n, k // SUPER_BLOCK)),
-        "zero_point": (torch.uint8, (n, k // GROUP_SIZE)),
-        "zero_point_step": (torch.float16, (n, k // SUPER_BLOCK)),
+        "qdata": (torch.uint8, (n, stored // 2)),
+        "scale": (torch.uint8, (n, stored // GROUP_SIZE)),
+        "scale_step": (torch.float16, (n, stored // SUPER_BLOCK)),
+        "zero_point": (torch.uint8, (n, stored // GROUP_SIZE)),
+        "zero_point_step": (torch.float16, (n, stored // SUPER_BLOCK)),
     }
     for component, (want_dtype, want_shape) in expected.items():
         got = components[component]
@@ -210,7 +211,7 @@ def build_entry(
                 f"{file}: tensor {component_key(name, component)!r} of {name!r} holds NaN, Inf or negative "
                 f"steps; steps are finite and non-negative (zero where a super-block is all zero)")
     packed = PackedInt4(*(components[c] for c in PackedInt4._fields))
-    return CudaCoalescedInt4Tensor.from_packed(packed, activation_dtype=allowed[dtype_name])
+    return CudaCoalescedInt4Tensor.from_packed(packed, activation_dtype=allowed[dtype_name], k=k)
 
 
 LARGEST_FINITE_FP16_BITS = 0x7BFF

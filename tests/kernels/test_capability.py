@@ -40,7 +40,10 @@ OFFLINE_COMPILES = textwrap.dedent("""
     from coalesced_int4.kernels.ops.validation import MIN_CAPABILITY
 
     def gemm(bucket, config, partial):
-        meta = {**config.kwargs, "PARTIAL": partial, "BUCKET": bucket, "INTERPRET": False, "DEPENDENT_LAUNCH": False}
+        # The split-K variant also masks a K padded to whole super-blocks: both variants of
+        # each constexpr compile, at no extra compile.
+        meta = {**config.kwargs, "PARTIAL": partial, "BUCKET": bucket, "MASK_K": partial, "INTERPRET": False,
+                "DEPENDENT_LAUNCH": False}
         if bucket <= 4:
             return _w4a8_kernel, {**POINTERS, **({"out_ptr": "*fp32"} if partial else {})}, meta
         meta.update(BATCH_ROWS=bucket, BALANCED=False)

@@ -402,3 +402,35 @@ def test_splits_partition_the_super_blocks_evenly(super_blocks, split_k):
     covered = [sb for start, count in ranges for sb in range(start, start + count)]
     assert covered == list(range(super_blocks))
     assert max(c for _, c in ranges) - min(c for _, c in ranges) <= 1
+
+
+def _activations_before_poison(m, k, seed):
+    """``_x(m, k)`` as the first rows of a buffer whose next row and beyond are NaN, so a kernel
+    that reads past K (the next row's head, or past the tensor's end) returns NaN or wrong sums."""
+    buffer = torch.full(((m + 1) * k,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    x = buffer[: m * k].view(m, k)
+    x.copy_(_x(m, k, seed))
+    return x
+
+
+@pytest.mark.parametrize("bucket", [1, 3, 8, 64])
+@pytest.mark.parametrize("k", [96, 576])
+def test_a_k_padded_to_whole_super_blocks_gives_the_bits_of_zero_padded_activations(bucket, k):
+    """K = 96 and 576 are stored in 256 and 768 columns (zeros past K). The kernels read the
+    activations only up to K: every config sampled, at split 1 and (W4A8, whose splits are whole
+    super-blocks in both) split 3, gives the bits of the same weights multiplied with
+    activations zero-padded to the stored K, which runs the kernels unmasked."""
+    from coalesced_int4.quantize import stored_k
+
+    packed, _ = packed_weight(40, k, seed=k + bucket, device=DEVICE)
+    assert packed[0].shape == (40, stored_k(k) // 2)
+    m = SMALLER_M.get(bucket, bucket)
+    x = _activations_before_poison(m, k, seed=bucket)
+    padded = torch.nn.functional.pad(x, (0, stored_k(k) - k))
+    splits = (1, 3) if bucket in W4A8_BUCKETS and k == 576 else (1,)
+    configs = int4_autotune_configs(bucket)
+    for split in splits:
+        for config in _sample(prune_int4_configs(configs, {"K": k, "split_k": split}), count=2):
+            out = launch(bucket, x, *packed, 32, split_k=split, config=config)
+            assert torch.equal(out, launch(bucket, padded, *packed, 32, split_k=split, config=config)), (split, config)
+            assert_close_to_reference(out, dequant_matmul_reference(x, packed))

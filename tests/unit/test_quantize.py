@@ -166,7 +166,7 @@ def test_quantization_error_is_small():
 @pytest.mark.parametrize(
     "weight, message",
     [
-        (torch.randn(8, 300), r"multiple of 256, got shape \(N=8, K=300\)"),
+        (torch.randn(8, 300), r"multiple of 32, got shape \(N=8, K=300\)"),
         (torch.randn(256), r"2-D \(N, K\), got shape \(256,\)"),
         (torch.randn(2, 4, 256), r"2-D \(N, K\), got shape \(2, 4, 256\)"),
         (torch.randn(0, 256), r"must not be empty, got shape \(0, 256\)"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torchao.quantization import Int4Tensor
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 
@@ -112,8 +113,27 @@ def test_slices_are_views_so_narrow_copy_loads_a_shard_in_place(weight):
 
 
 def test_slicing_k_off_a_super_block_boundary_is_refused(weight):
-    with pytest.raises(NotImplementedError, match="multiples of 256 only, got \\[0, 100\\)"):
+    with pytest.raises(NotImplementedError, match="to a multiple of 256 or K's end, got \\[0, 100\\) of K=768"):
         weight[:, :100]
+
+
+def test_a_k_off_the_super_blocks_is_stored_padded_and_sliced_to_its_end():
+    dense = torch.randn(40, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    weight = CudaCoalescedInt4Tensor.from_float(dense)
+    assert weight.shape == (40, 576) and weight.qdata.shape == (40, 384) and weight.scale_step.shape == (40, 3)
+    # The stored tail is zero and the logical columns are the weight padded with zero columns.
+    padded = CudaCoalescedInt4Tensor.from_float(torch.nn.functional.pad(dense, (0, 192)))
+    assert all(torch.equal(a, b) for a, b in zip(weight.packed, padded.packed))
+    assert torch.equal(weight.dequantize(), padded.dequantize()[:, :576])
+    assert (padded.dequantize()[:, 576:] == 0).all()
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    assert torch.equal(F.linear(x, weight), F.linear(x, weight.dequantize()))
+    tail = weight[:, 256:]
+    assert tail.shape == (40, 320) and tail.qdata.shape == (40, 256)
+    assert torch.equal(tail.dequantize(), weight.dequantize()[:, 256:])
+    assert torch.equal(tail[:, 256:].dequantize(), weight.dequantize()[:, 512:])
+    with pytest.raises(NotImplementedError, match=r"got \[0, 300\) of K=320"):
+        tail[:, :300]
 
 
 @pytest.mark.parametrize("op", [lambda w: w + 1, lambda w: w.t(), lambda w: w.sum(), lambda w: w @ w.new_ones(768)])

@@ -82,14 +82,14 @@ def compile_offline(kernel, pointers: Dict[str, str], constants: dict, warps: in
 def census(family: str, constants: dict, warps: int, prequantized: bool = False,
            maxnreg: Optional[int] = None) -> Census:
     """Compile one config of ``family``'s kernel for sm_90 as an eager launch on the GPU does
-    (``DEPENDENT_LAUNCH``, and for W4A16 the plain grid, unless ``constants`` says otherwise)
-    and count what it issues. ``maxnreg``: the config's register cap, if it has one."""
+    (``DEPENDENT_LAUNCH``, K a multiple of 256, and for W4A16 the plain grid, unless
+    ``constants`` says otherwise) and count what it issues. ``maxnreg``: the config's register cap, if it has one."""
     kernel = {"w4a8": _w4a8_kernel, "w4a16": _w4a16_kernel}[family]
     pointers = {**POINTERS,
                 **(CODE_WORDS if family == "w4a16" else {}),
                 **({"x_ptr": "*i32"} if prequantized else {}),
                 **({"out_ptr": "*fp32"} if constants["PARTIAL"] else {})}  # split-K writes fp32 partials
-    launch = {"DEPENDENT_LAUNCH": True, **({"BALANCED": False} if family == "w4a16" else {})}
+    launch = {"DEPENDENT_LAUNCH": True, "MASK_K": False, **({"BALANCED": False} if family == "w4a16" else {})}
     compiled = compile_offline(kernel, pointers, {**launch, **constants}, warps, constants["STAGES"], maxnreg)
     body, registers = sass_of(compiled)
     threads = 32 * warps

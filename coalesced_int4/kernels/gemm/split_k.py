@@ -25,6 +25,7 @@ from coalesced_int4.kernels.device_functions import to_bf16
 from coalesced_int4.kernels.ops import family
 from coalesced_int4.kernels.runtime import dependent_launch
 from coalesced_int4.kernels.runtime.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
+from coalesced_int4.quantize import SUPER_BLOCK
 from coalesced_int4.torch_internals import is_wrap_triton_enabled
 
 REDUCE_WIDTHS = (128, 512)
@@ -119,7 +120,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     """Launch a GEMM of either family and reduce its partials if split_k > 1. Both kernels
     take ``(*activations, qdata, scale, scale_step, zero_point, zero_point_step, out, M, N, K,
     *activation_strides, row strides of qdata, of the codes and of the steps, split_k,
-    [short_columns,] stride_s, stride_m, PARTIAL, BUCKET, INTERPRET, DEPENDENT_LAUNCH)`` and
+    [short_columns,] stride_s, stride_m, PARTIAL, BUCKET, MASK_K, INTERPRET, DEPENDENT_LAUNCH)``
+    (K the activations' columns, ``MASK_K`` where it is not a multiple of 256) and
     the family's own ``constants``, the weights as the family's launcher views them (strides
     in the view's elements). W4A16's kernel also takes ``short_columns`` and the constexpr
     ``BALANCED``: where ``short_columns`` is not 0 the grid is the 1-D one ``split_program``
@@ -150,8 +152,8 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     args = (*activations, qdata, scale, scale_step, zero_point, zero_point_step,
             target, m, n, k, *activation_strides, qdata.stride(0), scale.stride(0),
             scale_step.stride(0), split_k, *grid_args, stride_s, target.stride(-2))
-    kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "INTERPRET": family.INTERPRETER,
-              **dependent_launch.options(qdata), **grid_constants, **(constants or {})}
+    kwargs = {"PARTIAL": split_k > 1, "BUCKET": bucket, "MASK_K": k % SUPER_BLOCK != 0,
+              "INTERPRET": family.INTERPRETER, **dependent_launch.options(qdata), **grid_constants, **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
     family.launchable(kernel)[grid](*args, **kwargs)

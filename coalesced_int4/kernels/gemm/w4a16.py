@@ -283,9 +283,14 @@ def _completed(acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns):
-    """Activation rows ``x_rows``, K columns ``k0 + columns``: bf16 [rows, BLOCK_K]."""
-    return tl.load(x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :])
+def _activation_tile(x_ptr, x_rows, stride_xm, k0, columns, K, MASK_K: tl.constexpr):
+    """Activation rows ``x_rows``, K columns ``k0 + columns``: bf16 [rows, BLOCK_K]; where K is
+    not a multiple of 256 (``MASK_K``), zeros past K."""
+    ptrs = x_ptr + x_rows[:, None] * stride_xm + k0 + columns[None, :]
+    if MASK_K:
+        return tl.load(ptrs, mask=(k0 + columns < K)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 IN_PLACE_PARTIALS_BUCKET = tl.constexpr(64)
@@ -346,6 +351,7 @@ def _w4a16_kernel(
     STAGES: tl.constexpr,
     TMA_ACTIVATIONS: tl.constexpr,
     BALANCED: tl.constexpr,
+    MASK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
@@ -374,6 +380,9 @@ def _w4a16_kernel(
     its tile and split from the program ids, which the compiler reads again for free where
     it needs them; the 1-D grid's are divisions by the runtime split held through the loop,
     which costs registers and spills, so only balanced launches use it.
+    MASK_K: K (the activations' columns) is not a multiple of 256; the weights hold
+    ``stored_k(K)`` columns, zero past K, and the trips run to the first BLOCK_K past K, their
+    activations past K read as zeros (TMA copies zero-fill past the descriptor's K anyway).
     INTERPRET: bf16 arithmetic and dot operands in fp32 (exact for these values), since the
     interpreter computes bf16 math on raw bits. PARTIAL: write fp32 partials
     [split_k, BUCKET, N] (split_k > 1) instead of bf16 outputs. DEPENDENT_LAUNCH: launched
@@ -394,7 +403,7 @@ def _w4a16_kernel(
     words_of_trip = tl.arange(0, BLOCK_K // 8)
     columns = tl.arange(0, BLOCK_K)
     head_rows = activation_rows(tl.arange(0, HEAD_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
-    first_trip, trips = split_bounds(pid_s, splits, K // BLOCK_K)
+    first_trip, trips = split_bounds(pid_s, splits, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_N, HEAD_ROWS), tl.float32)
     if TAIL_ROWS > 0:
         tail_rows = activation_rows(HEAD_ROWS + tl.arange(0, TAIL_ROWS), M, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS)
@@ -424,10 +433,11 @@ def _w4a16_kernel(
         if TMA_ACTIVATIONS:
             head = tl.reshape(head_windows.load([0, 0, k0]), [HEAD_ROWS, BLOCK_K])
         else:
-            head = _activation_tile(x_ptr, head_rows, stride_xm, k0, columns)
+            head = _activation_tile(x_ptr, head_rows, stride_xm, k0, columns, K, MASK_K)
         acc += bf16_dot(w, tl.trans(head), INTERPRET)
         if TAIL_ROWS > 0:
-            tail_acc += bf16_dot(w, tl.trans(_activation_tile(x_ptr, tail_rows, stride_xm, k0, columns)), INTERPRET)
+            tail = _activation_tile(x_ptr, tail_rows, stride_xm, k0, columns, K, MASK_K)
+            tail_acc += bf16_dot(w, tl.trans(tail), INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     out_ptr += pid_s * stride_os
     _store_rows(acc, out_ptr, 0, offs_n, n_mask, M, stride_om, BUCKET, BATCH_ROWS, TMA_ACTIVATIONS, PARTIAL,

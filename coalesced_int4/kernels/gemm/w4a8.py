@@ -169,14 +169,25 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _quantized_row(x_ptr, row, stride_xm, g0, end_group,
-                   GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+def _activation_groups(group_idx, end_group, K, MASK_K: tl.constexpr):
+    """Which groups of a trip hold activations: those before the split's end and, where the
+    weight's K is padded (``MASK_K``), before K; the others read zeros."""
+    if MASK_K:
+        return (group_idx < end_group) & (group_idx < K // 32)
+    else:
+        return group_idx < end_group
+
+
+@triton.jit
+def _quantized_row(x_ptr, row, stride_xm, g0, end_group, K,
+                   GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, MASK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """One activation row's trip, quantized here from bf16 (L2): its even-k and odd-k words
     (``_group_words`` tuples), group sums and scales, broadcast to the weights' layout.
-    Groups past the split read zeros."""
+    Groups past the split or past K read zeros."""
     group_idx = g0 + tl.arange(0, GROUPS)
     k = group_idx[:, None] * 32 + tl.arange(0, 32)[None, :]
-    v = tl.load(x_ptr + row * stride_xm + k, mask=(group_idx < end_group)[:, None], other=0.0)
+    v = tl.load(x_ptr + row * stride_xm + k, mask=_activation_groups(group_idx, end_group, K, MASK_K)[:, None],
+                other=0.0)
     even, odd, xs, asum = _quantize_groups(v.to(tl.float32), INTERPRET)
     # Everything per group of the row is broadcast to the weights' layout in two exchanges
     # (the int8 words; the sum and scale), then split like the weight words.
@@ -193,16 +204,16 @@ def _rows_alike(values, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group,
-                      GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_quantized_row`` from ``_quantize_kernel``'s words (groups past the split, and rows
-    >= M, read zeros). Each part is loaded once as a row vector and broadcast to the weight
+def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group, K,
+                      GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, MASK_K: tl.constexpr):
+    """``_quantized_row`` from ``_quantize_kernel``'s words (groups past the split or past K,
+    and rows >= M, read zeros). Each part is loaded once as a row vector and broadcast to the weight
     rows: outside branches (``_add_row``), the pipeliner stages these loads in shared memory
     and reads them out straight into the dot products' layout, so nothing is exchanged."""
     cols = tl.arange(0, 4 * GROUPS)
     group = g0 + cols // 4
     ptrs = x_ptr + row * stride_xm + group * WORDS_PER_GROUP + cols % 4
-    mask = (group < end_group) & (row < M)
+    mask = _activation_groups(group, end_group, K, MASK_K) & (row < M)
     x_even = _group_words(_rows_alike(tl.load(ptrs, mask=mask, other=0), BLOCK_N), GROUPS)
     x_odd = _group_words(_rows_alike(tl.load(ptrs + 4, mask=mask, other=0), BLOCK_N), GROUPS)
     scale_bits, _, asum, _ = _group_words(_rows_alike(tl.load(ptrs + 8, mask=mask, other=0), BLOCK_N), GROUPS)
@@ -211,17 +222,19 @@ def _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group,
 
 @triton.jit
 def _w4a8_row(
-    w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
+    w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group, K,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, MASK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One activation row's contribution for one trip: [BLOCK_N, GROUPS] fp32, from bf16
     activations quantized here (once per program and trip, so a decode GEMM is one kernel)
     or from int32 words that ``_quantize_kernel`` wrote (``PREQUANTIZED``)."""
     if PREQUANTIZED:
-        x_even, x_odd, asum_f, xs = _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group, GROUPS, BLOCK_N)
+        x_even, x_odd, asum_f, xs = _prequantized_row(x_ptr, row, M, stride_xm, g0, end_group, K, GROUPS, BLOCK_N,
+                                                      MASK_K)
     else:
-        x_even, x_odd, asum_f, xs = _quantized_row(x_ptr, row, stride_xm, g0, end_group, GROUPS, BLOCK_N,
-                                                   INTERPRET)
+        x_even, x_odd, asum_f, xs = _quantized_row(x_ptr, row, stride_xm, g0, end_group, K, GROUPS, BLOCK_N,
+                                                   MASK_K, INTERPRET)
     # High nibbles are read in place (x16), so their sum is exact in 16ths: shifted down
     # before the low nibbles' products are chained onto it.
     dot16 = _dot4(w_high, x_odd, tl.zeros((BLOCK_N, GROUPS), tl.int32), INTERPRET)
@@ -231,16 +244,17 @@ def _w4a8_row(
 
 @triton.jit
 def _add_row(
-    acc, w_low, w_high, ws, wz, x_ptr, row: tl.constexpr, M, stride_xm, g0, end_group,
-    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, INTERPRET: tl.constexpr,
+    acc, w_low, w_high, ws, wz, x_ptr, row: tl.constexpr, M, stride_xm, g0, end_group, K,
+    GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, PREQUANTIZED: tl.constexpr, MASK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """``acc`` plus row ``row``'s trip where row < M. Prequantized, a missing row reads zeros
     instead of being branched around, so that every row's loads sit outside branches, where
     Triton's pipeliner stages them in shared memory and reads them out in the dot products'
     layout (in a branch, each would be loaded once per weight row a thread holds)."""
     if PREQUANTIZED or M > row:
-        acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group,
-                         GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+        acc += _w4a8_row(w_low, w_high, ws, wz, x_ptr, row, M, stride_xm, g0, end_group, K,
+                         GROUPS, BLOCK_N, PREQUANTIZED, MASK_K, INTERPRET)
     return acc
 
 
@@ -279,10 +293,12 @@ def _w4a8_kernel(
     GROUPS: tl.constexpr,
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    MASK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Programs: (N tiles, split_k). BUCKET (1-4) rows of accumulators; rows >= M skipped.
+    K: the activations' columns; the weights hold ``stored_k(K)``, whole super-blocks.
     ``x_ptr``: bf16 activations, or the int32 words of ``quantize_activations`` (the pointer's
     type is part of the signature, so each compiles apart; ``PREQUANTIZED`` below is read
     from it). Row strides: activations (xm), weight code words (qn), codes (cn) and steps
@@ -293,8 +309,9 @@ def _w4a8_kernel(
     STAGES: software-pipelining depth of the main loop. PREFETCH: hold the next trip's
     weights in registers, loaded before this trip's arithmetic (more bytes in flight per
     thread, more registers: it wins at M = 1 and loses at M = 4, so it is timed like the
-    tile). INTERPRET: portable dp4a and bf16 rounding for Triton's interpreter
-    (inline PTX otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1)
+    tile). MASK_K: K is not a multiple of 256, so activation loads past K read zeros (the
+    weights' padding is zero too). INTERPRET: portable dp4a and bf16 rounding for Triton's
+    interpreter (inline PTX otherwise). PARTIAL: write fp32 partials [split_k, BUCKET, N] (split_k > 1)
     instead of bf16 outputs. DEPENDENT_LAUNCH: launched with programmatic dependent launch
     (``dependent_launch``).
     """
@@ -305,7 +322,7 @@ def _w4a8_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0)  # clamp: out-of-range rows read row 0, never stored
-    first_sb, sb_count = split_bounds(pid_s, split_k, K // 256)
+    first_sb, sb_count = split_bounds(pid_s, split_k, tl.cdiv(K, 256))
     first_group = first_sb * 8
     end_group = first_group + sb_count * 8
     acc0 = tl.zeros((BLOCK_N, GROUPS), tl.float32)
@@ -334,17 +351,17 @@ def _w4a8_kernel(
         if BUCKET > 1 or PREQUANTIZED:
             ws = _in_dot_layout(ws, GROUPS)
             wz = _in_dot_layout(wz, GROUPS)
-        acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, M, stride_xm, g0, end_group,
-                          GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+        acc0 += _w4a8_row(w_low, w_high, ws, wz, x_ptr, 0, M, stride_xm, g0, end_group, K,
+                          GROUPS, BLOCK_N, PREQUANTIZED, MASK_K, INTERPRET)
         if BUCKET > 1:
-            acc1 = _add_row(acc1, w_low, w_high, ws, wz, x_ptr, 1, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+            acc1 = _add_row(acc1, w_low, w_high, ws, wz, x_ptr, 1, M, stride_xm, g0, end_group, K,
+                            GROUPS, BLOCK_N, PREQUANTIZED, MASK_K, INTERPRET)
         if BUCKET > 2:
-            acc2 = _add_row(acc2, w_low, w_high, ws, wz, x_ptr, 2, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+            acc2 = _add_row(acc2, w_low, w_high, ws, wz, x_ptr, 2, M, stride_xm, g0, end_group, K,
+                            GROUPS, BLOCK_N, PREQUANTIZED, MASK_K, INTERPRET)
         if BUCKET > 3:
-            acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group,
-                            GROUPS, BLOCK_N, PREQUANTIZED, INTERPRET)
+            acc3 = _add_row(acc3, w_low, w_high, ws, wz, x_ptr, 3, M, stride_xm, g0, end_group, K,
+                            GROUPS, BLOCK_N, PREQUANTIZED, MASK_K, INTERPRET)
     let_next_kernel_launch(DEPENDENT_LAUNCH)
     base = out_ptr + pid_s * stride_os + offs_n
     _store_row(base, tl.sum(acc0, axis=1), n_mask, PARTIAL, INTERPRET)

@@ -12,7 +12,7 @@ import triton
 
 from coalesced_int4.kernels.autotune.launch_params import InvalidLaunchParam
 from coalesced_int4.kernels.ops.validation import SUPPORTED_BUCKETS, W4A8_BUCKETS, W4A16_BUCKETS
-from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK
+from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK, stored_k
 
 SPLIT_K_CANDIDATES = (1, 2, 4, 8, 16)
 """Split-K values timed for the W4A8 buckets."""
@@ -132,9 +132,9 @@ def main_loop_trips(config: triton.Config, k: int, split_k: int) -> int:
     """Trips of a program's K loop in the largest split: W4A8 splits super-blocks and walks
     their groups of 32 GROUPS at a time; W4A16 splits its trips of BLOCK_K."""
     if "GROUPS" not in config.kwargs:
-        return max(1, -(-(k // config.kwargs.get("BLOCK_K", SUPER_BLOCK)) // split_k))
-    groups = -(-(k // SUPER_BLOCK) // split_k) * (SUPER_BLOCK // GROUP_SIZE)
-    return max(1, -(-groups // config.kwargs["GROUPS"]))
+        return max(1, triton.cdiv(triton.cdiv(k, config.kwargs.get("BLOCK_K", SUPER_BLOCK)), split_k))
+    groups = triton.cdiv(stored_k(k) // SUPER_BLOCK, split_k) * (SUPER_BLOCK // GROUP_SIZE)
+    return max(1, triton.cdiv(groups, config.kwargs["GROUPS"]))
 
 
 def prune_int4_configs(configs: Sequence[triton.Config], named_args: dict, **kwargs) -> list:

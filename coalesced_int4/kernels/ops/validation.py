@@ -14,7 +14,7 @@ import torch
 
 from coalesced_int4.kernels.autotune.launch_params import InvalidLaunchParam
 from coalesced_int4.kernels.runtime.device import compute_capability
-from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK
+from coalesced_int4.quantize import GROUP_SIZE, SUPER_BLOCK, stored_k
 from coalesced_int4.torch_internals import is_fake, statically_known_true
 
 SUPPORTED_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -29,12 +29,12 @@ sm_90 only; the W4A8 kernel's dp4a and fp32 math compile for sm_80."""
 
 CODE_WORD = torch.int32
 """The kernels read the byte-wide codes (qdata, and W4A16 the scale and zero codes) as words of
-this dtype: each row holds whole words since K % 256 == 0, and each tensor must start on a
-word."""
+this dtype: each row holds whole words since the stored K is a multiple of 256, and each tensor
+must start on a word."""
 
 TMA_ALIGNMENT = 16
 """Bytes: the tensor memory accelerator reads a tensor that starts on this boundary (its rows,
-K bf16 with K % 256 == 0, always do)."""
+K bf16 with K % 32 == 0, always do)."""
 
 _ALLOWED_DTYPES = (
     ("activation", 0, (torch.bfloat16,)),
@@ -71,8 +71,8 @@ def unsupported_reason(
     m, k = x.shape
     if not isinstance(k, int):
         return "K must be static"
-    if k % SUPER_BLOCK:
-        return f"K must be a multiple of {SUPER_BLOCK}, got {k}"
+    if k % GROUP_SIZE:
+        return f"K must be a multiple of {GROUP_SIZE}, got {k}"
     if isinstance(m, int):
         if not 1 <= m <= bucket:
             return f"static M must be within [1, {bucket}], got {m}"
@@ -96,21 +96,21 @@ def unsupported_reason(
         family = "W4A8" if bucket in W4A8_BUCKETS else "W4A16"
         return (f"the {family} kernels need compute capability {'.'.join(map(str, MIN_CAPABILITY[bucket]))} or "
                 f"newer, the device has {'.'.join(map(str, capability))}")
-    n = qdata.shape[0]
-    if qdata.shape[1] * 2 != k:
-        return f"qdata K/2 mismatch: x K={k}, qdata K/2={qdata.shape[1]}"
-    if tuple(scale.shape) != (n, k // GROUP_SIZE) or tuple(zero_point.shape) != (n, k // GROUP_SIZE):
-        return "scale/zero shape does not match [N, K/32]"
-    if tuple(scale_step.shape) != (n, k // SUPER_BLOCK) or tuple(zero_point_step.shape) != (
+    n, stored = qdata.shape[0], stored_k(k)
+    if qdata.shape[1] * 2 != stored:
+        return f"qdata must hold K={k} in {stored // 2} bytes a row (K padded to {stored}), got {qdata.shape[1]}"
+    if tuple(scale.shape) != (n, stored // GROUP_SIZE) or tuple(zero_point.shape) != (n, stored // GROUP_SIZE):
+        return f"scale/zero shape does not match [N, {stored}/32]"
+    if tuple(scale_step.shape) != (n, stored // SUPER_BLOCK) or tuple(zero_point_step.shape) != (
         n,
-        k // SUPER_BLOCK,
+        stored // SUPER_BLOCK,
     ):
-        return "step shape does not match [N, K/256]"
+        return f"step shape does not match [N, {stored}/256]"
     return None
 
 
 def check_split_k(split_k: int, k: int, unit: int = SUPER_BLOCK) -> None:
-    """A split needs at least one super-block of K: ``1 <= split_k <= K // 256``."""
-    if not 1 <= split_k <= k // unit:
+    """A split needs at least one super-block of the stored K: ``1 <= split_k <= stored_k(K) // 256``."""
+    if not 1 <= split_k <= stored_k(k) // unit:
         raise InvalidLaunchParam(f"split_k={split_k} needs K >= {split_k * unit}, got K={k}")
 

@@ -8,6 +8,8 @@
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3;
 #                   writes $OUT/decode.md)
 #   attention       decode attention against SDPA
+#   defaults        default launches against tuned ones (bench_defaults.py; writes $OUT/defaults.md)
+#   eager           eager per-call host cost and eager decoding (bench_eager.py; writes $OUT/eager.md)
 #   hf              Hugging Face generate benchmark (bench_hf.py; HF_BATCHES, HF_LAYERS; writes
 #                   $OUT/hf.md); needs transformers (.whl from device-wheels.sh --hf)
 # Steps that run the performance instruments of tools/perf/ (see its README):
@@ -22,7 +24,7 @@
 #                   REDUCE_MS, REDUCE_SPLITS)
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [hf] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [defaults] [eager] [hf] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -115,6 +117,13 @@ for step in $steps; do
     attention)
       timeout "${ATTENTION_S:-240}" python benchmarks/bench_attention.py > "$out/attention.log" 2>&1
       grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
+    defaults)
+      timeout "${DEFAULTS_S:-400}" python benchmarks/bench_defaults.py ${SHAPES:+--shapes $SHAPES} \
+        --json "$out/defaults.json" --markdown "$out/defaults.md" > "$out/defaults.log" 2>&1
+      grep -E "^\||^#|Worst|Error" "$out/defaults.log" | tail -40 ;;
+    eager)
+      timeout "${EAGER_S:-240}" python benchmarks/bench_eager.py --markdown "$out/eager.md" > "$out/eager.log" 2>&1
+      grep -E "^\||^#|Error" "$out/eager.log" | tail -20 ;;
     hf)
       timeout "${HF_S:-540}" python benchmarks/bench_hf.py --batches "${HF_BATCHES:-1,4,16}" --layers "${HF_LAYERS:-32}" \
         --json "$out/hf.json" --markdown "$out/hf.md" > "$out/hf.log" 2>&1

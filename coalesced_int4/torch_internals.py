@@ -4,16 +4,26 @@ A torch upgrade that moves one of these breaks here, at import, rather than some
 kernel launch; the rest of the package imports them from this module only.
 """
 
+import torch
 from torch._library import triton as triton_ops_registry
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is on the stack (one watches or reroutes the ops run)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
 
 __all__ = [
     "TorchDispatchMode",
+    "WeakIdKeyDictionary",
     "disable_current_modes",
+    "dispatch_mode_active",
     "is_fake",
     "is_wrap_triton_enabled",
     "return_and_correct_aliasing",

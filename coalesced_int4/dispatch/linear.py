@@ -4,7 +4,12 @@
    ``(M, K)``.
 2. If the kernels can run on it (``can_launch_triton``), the smallest bucket of
    ``INT4_QUANTIZED_GEMM`` whose op supports the arguments is called: a static ``M`` within
-   ``[1, bucket]``, or a symbolic ``M`` provably so.
+   ``[1, bucket]``, or a symbolic ``M`` provably so. In plain eager use (a real CUDA input,
+   not compiling, no dispatch mode watching) the choice is made once per weight and
+   activation signature (rows, dtype, device, strides, storage offset) with the launch
+   parameters it runs with (``EagerPlan``), and later calls launch the kernels directly,
+   without the op's dispatch and second validation; the plan's launch parameters are
+   decided again once tuning changes a pick. While tuning is on, calls take the op.
 3. Otherwise the weight is dequantized exactly (fp32), rounded once to the activation dtype
    and multiplied with ``F.linear``, in chunks of 32,768 rows above 65,536 rows so a huge
    ``lm_head`` never builds a multi-GiB dense temporary. (Rounding every step of the
@@ -14,13 +19,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from coalesced_int4.kernels.autotune.launch_params import generation, tuning_stats
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
-from coalesced_int4.torch_internals import is_fake
+from coalesced_int4.torch_internals import WeakIdKeyDictionary, dispatch_mode_active, is_fake
 
 DEQUANT_N_THRESHOLD = 65_536
 DEQUANT_N_CHUNK = 32_768
@@ -32,17 +39,61 @@ def quantized_linear(
     n, k = weight.shape
     check_activation(x, k)
     x_2d = x.reshape(-1, k)
-    weight_args = (*weight.packed, weight.group_size)
-    bucket = select_bucket(x_2d, weight_args)
-    if bucket is None:
-        out = dequant_linear(x_2d, weight.packed, k)
+    if _plain_eager(x_2d):
+        out = _eager_linear(x_2d, weight)
     else:
-        from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
+        weight_args = (*weight.packed, weight.group_size)
+        bucket = select_bucket(x_2d, weight_args)
+        if bucket is None:
+            out = dequant_linear(x_2d, weight.packed, k)
+        else:
+            from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
 
-        out = INT4_QUANTIZED_GEMM.op(bucket)(x_2d, *weight_args)
+            out = INT4_QUANTIZED_GEMM.op(bucket)(x_2d, *weight_args)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerPlan:
+    """How eager calls of one weight on one activation signature run: the bucket the rule
+    chose (None: the fallback), the launch parameters decided for it, and the pick generation
+    they were decided at (``launch_params.generation``)."""
+
+    bucket: Optional[int]
+    launch_params: Optional[dict]
+    generation: int
+
+
+_EAGER_PLANS = WeakIdKeyDictionary()
+"""weight -> {activation signature: EagerPlan}; a weight's plans go with it."""
+
+
+def _plain_eager(x_2d: torch.Tensor) -> bool:
+    """A real CUDA input, not compiling or tracing, no dispatch mode watching, tuning off."""
+    return (x_2d.is_cuda and not torch.compiler.is_compiling() and not is_fake(x_2d)
+            and not dispatch_mode_active() and tuning_stats() is None)
+
+
+def _eager_linear(x_2d: torch.Tensor, weight) -> torch.Tensor:
+    from coalesced_int4.kernels.ops.int4_gemm import decided_launch, launch_decided
+
+    plans = _EAGER_PLANS.get(weight)
+    if plans is None:
+        plans = _EAGER_PLANS[weight] = {}
+    signature = (x_2d.shape[0], x_2d.dtype, x_2d.device, x_2d.stride(), x_2d.storage_offset())
+    plan = plans.get(signature)
+    if plan is None:  # the rule, once per signature
+        bucket = select_bucket(x_2d, (*weight.packed, weight.group_size))
+        launch_params = None if bucket is None else decided_launch(bucket, x_2d, *weight.packed)
+        plan = plans[signature] = EagerPlan(bucket, launch_params, generation())
+    elif plan.bucket is not None and plan.generation != generation():
+        plan = plans[signature] = EagerPlan(plan.bucket, decided_launch(plan.bucket, x_2d, *weight.packed),
+                                            generation())
+    if plan.bucket is None:
+        return dequant_linear(x_2d, weight.packed, weight.shape[1])
+    return launch_decided(plan.bucket, x_2d, weight.packed, plan.launch_params)
 
 
 def check_activation(x: torch.Tensor, k: int) -> None:

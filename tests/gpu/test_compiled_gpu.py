@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 import coalesced_int4 as ci4
 from coalesced_int4.decoder import DEMO, build_decoder, decode_step, generate
-from coalesced_int4.kernels import autotune_launch_params, clear_launch_param_cache, int4_autotune_configs
+from coalesced_int4.kernels import (
+    autotune_launch_params,
+    clear_launch_param_cache,
+    int4_autotune_configs,
+    prune_int4_configs,
+)
 from coalesced_int4.kernels.autotune import launch_params
 from coalesced_int4.kernels.autotune.tuner import single_config
 from coalesced_int4.kernels.ops import int4_gemm
@@ -250,3 +255,18 @@ def test_compiled_kv_cache_decoding_follows_eager_step_by_step():
     agreement = (compiled_logits.argmax(-1) == eager_tokens[:, 1:]).float().mean().item()
     assert bool(in_top3.all()), f"eager's token outside the compiled top 3 at steps {in_top3.logical_not().nonzero()}"
     assert agreement >= 0.5, agreement
+
+
+@pytest.mark.parametrize("config", prune_int4_configs(int4_autotune_configs(64), {"K": 1024, "split_k": 1}), ids=str)
+def test_every_bucket_64_config_serves_a_dynamic_m_compiled(config, monkeypatch):
+    """Not only the pick: each config, compiled for a symbolic M in (32, 64], gives at M = 40
+    and 64 the bits of the eager launch of the same config."""
+    kernels = int4_gemm.BUCKET_KERNELS
+    monkeypatch.setitem(kernels, 64, single_config(kernels[64], config))
+    torch._dynamo.reset()
+    weight = ci4.CudaCoalescedInt4Tensor.from_float(torch.randn(512, 1024, device="cuda"))
+    compiled = torch.compile(lambda x: F.linear(x, weight), fullgraph=True)
+    for m in (40, 64):
+        x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0, min=33, max=64)
+        assert torch.equal(compiled(x), F.linear(x, weight)), m

@@ -427,3 +427,27 @@ def test_export_with_a_dynamic_m_picks_the_covering_bucket(low, high, bucket):
     program = torch.export.export(_Linear().cuda(), (_x(max(low, 2), 512),), dynamic_shapes=({0: m},))
     ops = _bucket_ops(program)
     assert ops == ([] if bucket is None else [f"coalesced_int4.int4_quantized_gemm_m{bucket}.default"])
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_plain_eager_calls_launch_what_the_op_launches_and_follow_a_new_pick(m):
+    """Eager F.linear runs from its plan (decided once per signature, no op dispatch): the
+    bits of the op itself with the same launch parameters; once tuning picks, the plan
+    launches the pick."""
+    from coalesced_int4.dispatch.linear import _EAGER_PLANS
+
+    clear_launch_param_cache()
+    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(1024, 2048, device="cuda"))
+    x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
+    bucket = next(b for b in SUPPORTED_BUCKETS if b >= m)
+    first = F.linear(x, weight)
+    (plan,) = _EAGER_PLANS[weight].values()
+    assert plan.bucket == bucket
+    op = INT4_QUANTIZED_GEMM.op(bucket)(x, *weight.packed, 32)  # outside tuning: the same default
+    assert torch.equal(first, op) and torch.equal(F.linear(x, weight), first)
+    with autotune_launch_params() as stats:
+        tuned = F.linear(x, weight)
+    assert torch.equal(F.linear(x, weight), tuned)
+    (plan,) = _EAGER_PLANS[weight].values()
+    assert plan.launch_params == {k: v for k, v in stats.choices[-1].items() if k in plan.launch_params}
+    clear_launch_param_cache()

@@ -2,6 +2,8 @@
 split-K legality and partition, config spaces, the prune rule, and the op family's contract.
 No GPU needed: fake CUDA tensors stand in for real ones."""
 
+import types
+
 import pytest
 import torch
 import triton
@@ -29,10 +31,11 @@ from coalesced_int4.kernels.ops.configs import (
     W4A16_TILES,
     W4A16_TMA_STAGES,
     balanced_short_columns,
+    default_split_k,
     w4a16_batch_rows,
 )
 from coalesced_int4.kernels.ops.family import QuantizedGemmFamily
-from tests.helpers import run_compiling_python
+from tests.helpers import packed_weight, run_compiling_python
 
 
 def _args(m=1, k=512, n=64):
@@ -216,6 +219,44 @@ def test_w4a16_multiplies_48_rows_only_for_a_static_m_of_at_most_48_at_bucket_64
     assert w4a16_batch_rows(64, symbolic_m) == 64  # one binary serves a dynamic M's range
     for bucket in (8, 16, 32):
         assert {w4a16_batch_rows(bucket, m) for m in range(bucket // 2 + 1, bucket + 1)} == {bucket}
+
+
+def test_a_launch_for_a_symbolic_m_is_timed_on_the_kernel_the_graph_compiles(monkeypatch):
+    """A symbolic M of bucket 64 is timed on concrete stand-ins (M = its hint, 40 here); every
+    timed launch multiplies the whole bucket's 64 rows, as the traced graph's kernel does, not
+    the 48 rows of an eager M = 40."""
+    from coalesced_int4.kernels.autotune import launch_params
+    from coalesced_int4.kernels.gemm import w4a16
+    from coalesced_int4.kernels.ops import int4_gemm
+
+    rows = []
+    monkeypatch.setattr(w4a16, "launch_split_k_gemm", lambda kernel, **kw: rows.append(kw["constants"]["BATCH_ROWS"])
+                        or types.SimpleNamespace(cost=1.0))
+    monkeypatch.setattr(w4a16, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(launch_params, "time_calls_us", lambda calls: [call() for call in calls][0].cost)
+    x = torch.randn(40, 1024, dtype=torch.bfloat16)  # real CPU tensors: nothing runs on them
+    weights, _ = packed_weight(512, 1024)
+    for dynamic_m, expected in ((True, 64), (False, 48)):
+        rows.clear()
+        launch_params.clear_launch_param_cache()
+        with launch_params.autotune_launch_params() as stats:
+            int4_gemm._launch_w4a16(64, x, *weights, dynamic_m)
+        assert stats.measured == 1 and rows and set(rows) == {expected}, dynamic_m
+    launch_params.clear_launch_param_cache()
+
+
+@pytest.mark.parametrize("n, k, family, sms, split", [
+    (4096, 4096, "w4a8", 132, 1),     # 256 tiles of 16 rows fill 132 SMs
+    (1024, 4096, "w4a8", 132, 4),     # 64 tiles: split until 132 programs
+    (1024, 1024, "w4a8", 132, 1),     # no split shorter than 1024 of K
+    (1024, 2048, "w4a8", 132, 2),     # the longest split that keeps 1024 of K
+    (4096, 4096, "w4a16", 132, 3),    # 64 tiles of 64 rows
+    (128256, 4096, "w4a16", 132, 1),
+    (4096, 4096, "w4a16", None, 1),   # no CUDA device to count SMs of
+])
+def test_an_untuned_launch_splits_k_until_its_programs_fill_the_sms(n, k, family, sms, split):
+    candidates = SPLIT_K_CANDIDATES if family == "w4a8" else TILE_SPLIT_K_CANDIDATES
+    assert default_split_k(n, k, family, candidates, sms) == split
 
 
 def test_w4a16_config_space_copies_activations_by_tma_only_at_its_stages_and_caps_registers_once():

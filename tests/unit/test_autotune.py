@@ -52,6 +52,45 @@ def test_outside_the_context_the_first_candidate_runs_untimed():
     assert _toy(COST, calls)(torch.zeros(4)).split_k == 1 and calls == [1]
 
 
+def _ruled_toy(calls):
+    @autotune_launch_param(split_k=tuple(COST), default=lambda x: {"split_k": 8 if x.numel() > 4 else 99})
+    def run(x, *, split_k):
+        calls.append(split_k)
+        return types.SimpleNamespace(cost=COST[split_k], split_k=split_k)
+    return run
+
+
+def test_outside_tuning_an_untuned_shape_runs_the_rule_and_tuning_later_times_it():
+    calls = []
+    run = _ruled_toy(calls)
+    assert run(torch.zeros(8)).split_k == 8
+    assert run(torch.zeros(4)).split_k == 1  # a value outside the space: the first candidate
+    assert calls == [8, 1]
+    with autotune_launch_params() as stats:
+        assert run(torch.zeros(8)).split_k == 4
+    assert stats.measured == 1
+    assert run(torch.zeros(8)).split_k == 4  # the pick, now also outside tuning
+
+
+def test_outside_tuning_a_stored_pick_is_restored(tmp_path, monkeypatch):
+    monkeypatch.setenv("COALESCED_INT4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch_params, "pick_store", lambda device, name: launch_params.PickStore("launch_params",
+                                                                                                  "test GPU"))
+    calls = []
+    with autotune_launch_params():
+        assert _ruled_toy(calls)(torch.zeros(8)).split_k == 4
+    clear_launch_param_cache()  # as a new process starts
+    calls.clear()
+    assert _ruled_toy(calls)(torch.zeros(8)).split_k == 4 and calls == [4]
+
+
+def test_process_wide_tuning_tunes_every_shape_without_a_context(monkeypatch):
+    monkeypatch.setattr(launch_params, "_TUNE_FROM_ENVIRONMENT", True)  # COALESCED_INT4_AUTOTUNE=1 at start
+    calls = []
+    assert _ruled_toy(calls)(torch.zeros(8)).split_k == 4
+    assert set(calls) == set(COST)  # every candidate ran while timing
+
+
 def test_inside_the_context_the_fastest_candidate_wins():
     with autotune_launch_params() as stats:
         assert _toy(COST)(torch.zeros(4)).split_k == 4

@@ -1,6 +1,10 @@
 """F.linear on a quantized weight: the dequant fallback is right for every input the kernels
 cannot take (CPU, other dtypes, M > 64, N-D, bias), chunks very tall weights, and compiles."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +112,34 @@ def test_kernel_sources_survive_being_pasted_into_a_compiled_module():
     result = run_compiling_python(_PASTED_SOURCES)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == "", result.stdout
+
+
+def test_plain_eager_calls_validate_once_per_signature_and_redecide_after_a_new_pick(weight, monkeypatch):
+    """The eager plan (no CUDA here: the rule and the launches are stand-ins that count)."""
+    from coalesced_int4.kernels.autotune import launch_params
+    from coalesced_int4.kernels.ops import int4_gemm
+
+    rules, decisions, launches = [], [], []
+    monkeypatch.setattr(dispatch_linear, "_plain_eager", lambda x: True)
+    monkeypatch.setattr(dispatch_linear, "select_bucket", lambda x, args: rules.append(x.shape[0]) or 4)
+    monkeypatch.setattr(int4_gemm, "decided_launch", lambda bucket, x, *w: decisions.append(bucket) or {"split_k": 2})
+    monkeypatch.setattr(int4_gemm, "launch_decided", lambda bucket, x, w, params: launches.append((bucket, params))
+                        or torch.zeros(x.shape[0], 320, dtype=torch.bfloat16))
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    for _ in range(3):
+        F.linear(x, weight)
+    assert rules == [3] and decisions == [4] and launches == [(4, {"split_k": 2})] * 3
+    F.linear(x[:2], weight)  # another signature: its own plan
+    assert rules == [3, 2]
+    launch_params._remember(("a new pick",), {})  # tuning picked something: launch parameters are decided again
+    F.linear(x, weight)
+    assert rules == [3, 2] and decisions == [4, 4, 4]
+    launch_params.clear_launch_param_cache()
+
+
+@pytest.mark.parametrize("value, tuning", [("1", True), ("0", False)])
+def test_the_environment_variable_turns_tuning_on_for_the_process(value, tuning):
+    code = "from coalesced_int4.kernels.autotune.launch_params import tuning_stats; print(tuning_stats() is not None)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "COALESCED_INT4_AUTOTUNE": value})
+    assert child.returncode == 0 and child.stdout.strip().splitlines()[-1] == str(tuning), child.stderr[-2000:]

@@ -1,11 +1,15 @@
-"""Timing launch parameters (split-K, prequantized activations) per shape:
+"""Choosing launch parameters (split-K, prequantized activations) per shape:
 ``autotune_launch_param``.
 
 A launcher decorated with ``@autotune_launch_param(split_k=(1, 2, 4), prequantize=(False,
-True))`` runs with each parameter's first value, or the value passed explicitly, unless an
-``autotune_launch_params()`` context is active. Inside it, the first call for a shape times
-every combination of the values of the parameters not passed (a candidate) on random
-stand-ins of the arguments (real tensors even while tracing with fake ones): every candidate
+True), default=rule)`` runs with the values passed explicitly, else this process's pick for
+the shape, else a pick from the persistent pick store (below), else, while tuning is off, the
+values ``rule(*args)`` names (a heuristic from the shapes; without a rule, each parameter's
+first value). Tuning is on inside an ``autotune_launch_params()`` context (exported as
+``coalesced_int4.autotune()``) and in every process started with ``COALESCED_INT4_AUTOTUNE=1``.
+While it is on, the first call for a shape with no pick times every combination of the values
+of the parameters not passed (a candidate) on random stand-ins of the arguments (real tensors
+even while tracing with fake ones): every candidate
 first queues its compiles into one pool (``compile_every_candidate_at_once``; where parallel
 compile is off they simply run), then each runs once (letting its Triton autotuner pick a
 config, timed in CUDA graphs on a side stream; an illegal one raises
@@ -15,8 +19,8 @@ the L2 (as a model's layers run: ``time_back_to_back_us``), and the candidate wi
 smallest median wins, ties within 2 % going to the smaller values (the smaller split, then
 quantization inside the GEMM). The pick is cached per (decorated function, GPU, argument
 shapes/strides/dtypes and scalar arguments), in memory and, on CUDA, in the persistent pick
-store, from which a later process restores it instead of timing; the context's
-``LaunchParamStats`` records what happened.
+store, from which every later process on that GPU restores it, tuning or not; the
+``LaunchParamStats`` of the tuning in effect record what happened.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import gc
 import inspect
 import itertools
 import logging
+import os
 import statistics
 import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -75,14 +80,27 @@ class LaunchParamStats:
     (timed, cached in this process, restored from the persistent cache, or passed)."""
 
 
+TUNE_ENV = "COALESCED_INT4_AUTOTUNE"
+"""``COALESCED_INT4_AUTOTUNE=1``: tune every shape with no pick on first use, in the whole process."""
+
+_TUNE_FROM_ENVIRONMENT = os.environ.get(TUNE_ENV) == "1"
 _state = threading.local()
 _cache: Dict[tuple, Any] = {}
+"""Picks of this process: timed, or restored from the persistent store."""
+_generation = 0
+"""Counts the changes of ``_cache``: a decision remembered elsewhere (``decided_values``) holds
+while it is unchanged and tuning is off."""
+_defaults: Dict[tuple, Any] = {}
+"""Shapes with no pick anywhere, and the rule's values they run with while tuning is off (so
+the store is read once per shape, and tuning later still times them)."""
+_process_stats = LaunchParamStats()
+"""What tuning did in a process tuned by ``TUNE_ENV``."""
 _lock = threading.RLock()
 
 
 @contextlib.contextmanager
 def autotune_launch_params():
-    """Time launch parameters while active; yields the ``LaunchParamStats``. Nestable."""
+    """Tune launch parameters while active; yields the ``LaunchParamStats``. Nestable."""
     previous = getattr(_state, "stats", None)
     _state.stats = stats = LaunchParamStats()
     try:
@@ -91,9 +109,32 @@ def autotune_launch_params():
         _state.stats = previous
 
 
+def tuning_stats():
+    """The statistics of the tuning in effect (the innermost context's, or the process's
+    under ``TUNE_ENV``), or None where tuning is off."""
+    stats = getattr(_state, "stats", None)
+    if stats is None and _TUNE_FROM_ENVIRONMENT:
+        return _process_stats
+    return stats
+
+
+def generation() -> int:
+    """The count of changes of this process's picks (``_generation``)."""
+    return _generation
+
+
+def _remember(key, choice) -> None:
+    global _generation
+    _cache[key] = choice
+    _generation += 1
+
+
 def clear_launch_param_cache() -> None:
+    global _generation
     with _lock:
         _cache.clear()
+        _defaults.clear()
+        _generation += 1
 
 
 def _hint(value):
@@ -131,11 +172,14 @@ def _stand_in(value):
     return flat.as_strided(shape, stride)
 
 
-def autotune_launch_param(**space: Sequence[Any]):
-    """``@autotune_launch_param(split_k=(1, 2, 4), prequantize=(False, True))``: the launcher's
-    keyword parameters named here are launch parameters. A candidate is one value of each
-    parameter not passed explicitly (a dict); near ties go to the smaller candidate, compared
-    parameter by parameter in the order declared here."""
+def autotune_launch_param(default: Callable[..., Dict[str, Any]] = None, **space: Sequence[Any]):
+    """``@autotune_launch_param(split_k=(1, 2, 4), prequantize=(False, True), default=rule)``:
+    the launcher's keyword parameters named here are launch parameters. A candidate is one
+    value of each parameter not passed explicitly (a dict); near ties go to the smaller
+    candidate, compared parameter by parameter in the order declared here. ``rule``, called
+    with the launcher's positional arguments, names the values an untuned shape runs with
+    while tuning is off (a value outside the space, or a parameter it leaves out, takes the
+    parameter's first value)."""
     if not space:
         raise ValueError("autotune_launch_param needs at least one parameter")
     for param, values in space.items():
@@ -151,8 +195,15 @@ def autotune_launch_param(**space: Sequence[Any]):
                 raise TypeError(f"{name} has no parameter '{param}'")
         token = object()
 
+        def untuned(free, args) -> Dict[str, Any]:
+            """The rule's values for the free parameters (a value outside the space, or none,
+            is the parameter's first)."""
+            named = default(*args) if default is not None else {}
+            return {p: named[p] if named.get(p) in space[p] else space[p][0] for p in free}
+
         def decide(stats, free, args, kwargs):
-            """The candidate to run with: this process's pick, a stored one, or one timed now."""
+            """The candidate to run with: this process's pick, a stored one, one timed now
+            (``stats`` given: tuning is on), or the rule's (tuning is off)."""
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if not tensors:
                 raise ValueError("autotune_launch_param needs a tensor argument to time on")
@@ -163,38 +214,55 @@ def autotune_launch_param(**space: Sequence[Any]):
                    tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())))
             with _lock:
                 if key in _cache:
-                    stats.cache_hits += 1
+                    if stats is not None:
+                        stats.cache_hits += 1
                     return _cache[key]
+                if stats is None and key in _defaults:
+                    return _defaults[key]
                 candidates = [dict(zip(free, values)) for values in itertools.product(*(space[p] for p in free))]
-                store = PickStore("launch_params", device_name) if device.type == "cuda" else None
+                store = pick_store(device, device_name)
                 stored_key = [name, *key[2:]]
                 choice = store.get(stored_key) if store is not None else None
                 if choice in candidates:
-                    stats.restored += 1
+                    if stats is not None:
+                        stats.restored += 1
+                elif stats is None:
+                    _defaults[key] = untuned(free, args)
+                    return _defaults[key]
                 else:
                     choice = _measure(fn, name, free, candidates, args, kwargs, stats)
                     if choice is None:  # out of memory twice: untuned, not cached
-                        return candidates[0]
+                        return untuned(free, args)
                     if store is not None:
                         store.put(stored_key, choice)
-                _cache[key] = choice
+                _remember(key, choice)
                 return choice
+
+        def decided_values(*args, **kwargs) -> Dict[str, Any]:
+            """The values of the parameters not passed that a call with these arguments runs
+            with (deciding them as a call would)."""
+            free = tuple(p for p in space if p not in kwargs)
+            if all(len(space[p]) == 1 for p in free):
+                return {p: space[p][0] for p in free}
+            return decide(tuning_stats(), free, args, kwargs)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            stats = getattr(_state, "stats", None)
-            free = tuple(p for p in space if p not in kwargs)
-            if stats is None or all(len(space[p]) == 1 for p in free):
-                values = {p: space[p][0] for p in free}
-            else:
-                values = decide(stats, free, args, kwargs)
+            values = decided_values(*args, **kwargs)
+            stats = tuning_stats()
             if stats is not None:
                 stats.choices.append({p: kwargs.get(p, values.get(p)) for p in space})
             return fn(*args, **kwargs, **values)
 
+        wrapper.decided_values = decided_values
         return wrapper
 
     return decorate
+
+
+def pick_store(device: torch.device, device_name: str):
+    """Where the launch-parameter picks of a CUDA device persist (None elsewhere)."""
+    return PickStore("launch_params", device_name) if device.type == "cuda" else None
 
 
 def _describe(candidate: Dict[str, Any]) -> str:

@@ -447,9 +447,11 @@ def _w4a16_kernel(
                     PARTIAL, INTERPRET)
 
 
-def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
+def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel, dynamic_m: bool):
     """Run ``kernel`` on bf16 ``x``, reading the codes, the scale codes and the zero codes as
-    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives, split ``split_k``
+    ``CODE_WORD`` words, on the activation rows ``w4a16_batch_rows`` gives (for a symbolic M,
+    ``dynamic_m``, the rows of any M of the bucket, also where ``x`` is a concrete stand-in
+    being timed: the timed kernel is the one the traced graph compiles), split ``split_k``
     ways on the plain grid or a ``balanced`` one (``configs.balanced_short_columns``), with
     global scratch for the configs that make tensor descriptors and each launch's shared
     memory carveout fitted to its grid (``smem_carveout``)."""
@@ -461,5 +463,5 @@ def launch_w4a16(bucket, x, weights, *, split_k: int, balanced: bool, kernel):
         return with_scratch(x.device, lambda: launch_split_k_gemm(
             kernel, bucket=bucket, m=m, k=x.shape[1], split_k=split_k, short_columns=short_columns,
             activations=(x,), activation_strides=(x.stride(0),), weights=words,
-            constants={"BATCH_ROWS": w4a16_batch_rows(bucket, m)},
+            constants={"BATCH_ROWS": w4a16_batch_rows(bucket, None if dynamic_m else m)},
         ))

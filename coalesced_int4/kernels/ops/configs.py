@@ -84,11 +84,38 @@ def balanced_short_columns(n: int, split_k: int, sms: Optional[int]) -> int:
     return short_columns
 
 
+DEFAULT_TILE_ROWS = {"w4a8": 16, "w4a16": 64}
+"""Weight rows per program the default launch rule counts tiles in: the most common tuned
+BLOCK_N of each family (the Triton autotuner still picks the tile at the rule's split)."""
+DEFAULT_MIN_SPLIT_K = 1024
+"""The least K a split is left by the default launch rule: shorter splits pay the reduction's
+extra launch and partial-sum traffic for too little of the main loop."""
+
+
+def default_split_k(n: int, k: int, family: str, candidates: Sequence[int], sms: Optional[int]) -> int:
+    """The split-K an untuned launch runs with: the smallest candidate whose programs
+    (``DEFAULT_TILE_ROWS`` a tile) fill every SM once, without a split shorter than
+    ``DEFAULT_MIN_SPLIT_K`` (past that, the largest that keeps it). Where the SM count is not
+    known (no CUDA device), 1."""
+    if sms is None:
+        return 1
+    tiles = triton.cdiv(n, DEFAULT_TILE_ROWS[family])
+    longest = max(1, stored_k(k) // DEFAULT_MIN_SPLIT_K)
+    chosen = 1
+    for split in sorted(candidates):
+        if split > longest:
+            break
+        chosen = split
+        if tiles * split >= sms:
+            break
+    return chosen
+
+
 def w4a16_batch_rows(bucket: int, m) -> int:
     """The activation rows the W4A16 kernel multiplies for M rows at ``bucket``: three
     quarters of bucket 64 (48: a dot of 32 rows and one of 16) where M is static and at most
     48, else the whole bucket. A symbolic M, however bounded, gets the whole bucket, so that
-    one compiled binary serves its range. Bucket 32 keeps one dot: its quarter (8 rows)
+    one compiled binary serves its range (``m`` None: a launch for a symbolic M). Bucket 32 keeps one dot: its quarter (8 rows)
     would compile to ``mma.sync``, whose operand layout lengthens the loop."""
     three_quarters = 3 * bucket // 4
     if bucket == 64 and isinstance(m, int) and m <= three_quarters:

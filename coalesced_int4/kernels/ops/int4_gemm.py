@@ -7,8 +7,9 @@
 ``int4_autotune_configs(b)``, pruned by ``prune_int4_configs``, whose picks persist across
 processes (``autotune/persistent.py``; each bucket's under its own name).
 The split-K, and for W4A8 whether the activations are quantized by a kernel of their own
-first (``prequantize``), are launch parameters: the first candidates (split 1, quantized
-inside the GEMM) unless given, or timed per shape inside ``autotune_launch_params()``.
+first (``prequantize``), for W4A16 whether the grid is balanced, are launch parameters:
+given, or a pick (timed per shape while tuning is on, or restored from the pick store), or
+the default rule (``_default_w4a8``, ``_default_w4a16``: ``configs.default_split_k``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from coalesced_int4.kernels.ops.configs import (
     PREQUANTIZE_CANDIDATES,
     SPLIT_K_CANDIDATES,
     TILE_SPLIT_K_CANDIDATES,
+    default_split_k,
     int4_autotune_configs,
     prune_int4_configs,
 )
 from coalesced_int4.kernels.ops.family import INTERPRETER, QuantizedGemmFamily
 from coalesced_int4.kernels.ops.validation import SUPPORTED_BUCKETS, W4A8_BUCKETS, check_split_k, unsupported_reason
+from coalesced_int4.kernels.runtime.device import multiprocessors
 from coalesced_int4.torch_internals import is_fake, set_wrap_triton_enabled
 
 AUTOTUNE_KEY = ["N", "K", "split_k"]
@@ -77,8 +80,22 @@ def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[trito
     return family_launch(bucket, x, weights, split_k=split_k, kernel=kernel, **options)
 
 
+def _default_w4a8(bucket, x, qdata, *_) -> dict:
+    """An untuned W4A8 launch: the default split, and activations quantized by a kernel of
+    their own from two rows on (inside the GEMM, one launch, at one row)."""
+    split_k = default_split_k(qdata.shape[0], x.shape[1], "w4a8", SPLIT_K_CANDIDATES, multiprocessors(x.device))
+    return {"split_k": split_k, "prequantize": bucket > 1}
+
+
+def _default_w4a16(bucket, x, qdata, *_) -> dict:
+    """An untuned W4A16 launch: the default split on the plain grid."""
+    split_k = default_split_k(qdata.shape[0], x.shape[1], "w4a16", TILE_SPLIT_K_CANDIDATES,
+                              multiprocessors(x.device))
+    return {"split_k": split_k, "balanced": False}
+
+
 # One launcher per family, so each times its own split candidates.
-@autotune_launch_param(split_k=SPLIT_K_CANDIDATES, prequantize=PREQUANTIZE_CANDIDATES)
+@autotune_launch_param(split_k=SPLIT_K_CANDIDATES, prequantize=PREQUANTIZE_CANDIDATES, default=_default_w4a8)
 def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                  dynamic_m: bool, *, split_k: int, prequantize: bool,
                  config: Optional[triton.Config] = None):
@@ -86,11 +103,11 @@ def _launch_w4a8(bucket, x, qdata, scale, scale_step, zero_point, zero_point_ste
     return _run(launch_w4a8, bucket, x, weights, split_k, config, prequantize=prequantize)
 
 
-@autotune_launch_param(split_k=TILE_SPLIT_K_CANDIDATES, balanced=BALANCED_CANDIDATES)
+@autotune_launch_param(split_k=TILE_SPLIT_K_CANDIDATES, balanced=BALANCED_CANDIDATES, default=_default_w4a16)
 def _launch_w4a16(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                   dynamic_m: bool, *, split_k: int, balanced: bool, config: Optional[triton.Config] = None):
     weights = (qdata, scale, scale_step, zero_point, zero_point_step)
-    return _run(launch_w4a16, bucket, x, weights, split_k, config, balanced=balanced)
+    return _run(launch_w4a16, bucket, x, weights, split_k, config, balanced=balanced, dynamic_m=dynamic_m)
 
 
 def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step,
@@ -101,13 +118,29 @@ def launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step
     # Whether M is symbolic is read here, before timing swaps in concrete stand-ins, and
     # passed positionally so dynamic and static M are timed and cached apart.
     dynamic_m = not isinstance(x.shape[0], int)
-    launcher = _launch_w4a8 if bucket in W4A8_BUCKETS else _launch_w4a16
+    launcher = _launcher(bucket)
     # Tracing (fake inputs) records the launches through wrap_triton; eager launches call
     # the autotuners themselves, which keep their picks (wrap_triton's eager path would tune
     # a fresh copy on every call, and could not be captured in a CUDA graph).
     with set_wrap_triton_enabled(is_fake(x)):
         return launcher(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step,
                         dynamic_m, **launch_params)
+
+
+def _launcher(bucket: int):
+    return _launch_w4a8 if bucket in W4A8_BUCKETS else _launch_w4a16
+
+
+def decided_launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step) -> dict:
+    """The launch parameters an eager ``launch`` of these arguments (a static M) runs with."""
+    return _launcher(bucket).decided_values(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, False)
+
+
+def launch_decided(bucket: int, x, weights, launch_params: dict) -> torch.Tensor:
+    """An eager ``launch`` of a static M with ``decided_launch``'s parameters, deciding nothing
+    again (no validation either: the caller validated these arguments' kind)."""
+    with set_wrap_triton_enabled(False):
+        return _launcher(bucket).__wrapped__(bucket, x, *weights, False, **launch_params)
 
 
 def _fake(bucket: int, x, qdata, *_):

@@ -10,9 +10,12 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> Optional[int]:
-    """The SMs a grid spreads over: a CUDA device's count, None elsewhere. Asked of the driver
-    once per device: every W4A16 launch on a balanced grid reads it."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    """The SMs a grid spreads over: a CUDA device's count; None elsewhere or where no CUDA
+    driver answers (a fake CUDA tensor traced on a machine without a GPU). Asked of the driver
+    once per device: every untuned launch and every W4A16 launch on a balanced grid reads it."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 

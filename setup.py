@@ -22,7 +22,8 @@ setup(
     ],
     extras_require={
         "hf": HUGGING_FACE,
-        "test": ["pytest", "pytest-xdist", "psutil", *HUGGING_FACE],
+        # gensim ships the English text the accuracy tests score (its test data).
+        "test": ["pytest", "pytest-xdist", "psutil", "gensim", *HUGGING_FACE],
     },
     entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
 )

@@ -215,7 +215,7 @@ def time_in_rounds(methods: Dict[str, Calls], rounds: int,
 
 
 def environment_stamp() -> str:
-    """One line naming what a table was measured on: GPU, torch, Triton and the commit
+    """One line naming what a table was measured on: GPU (or CPU), torch, Triton and the commit
     (``$COMMIT``, else ``git rev-parse``; "uncommitted" is added where the tree has changes)."""
     commit = os.environ.get("COMMIT")
     if not commit:
@@ -228,7 +228,8 @@ def environment_stamp() -> str:
                 commit += " (uncommitted changes)"
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
-    return (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    return (f"{device}, torch {torch.__version__}, triton {triton.__version__}, "
             f"commit {commit}")
 
 

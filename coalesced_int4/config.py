@@ -24,7 +24,7 @@ import torch
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from coalesced_int4.quantize import GROUP_SIZE, METHODS, unpackable_reason
+from coalesced_int4.quantize import GROUP_SIZE, QPARAMS, unpackable_reason
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
 
 logger = logging.getLogger(__name__)
@@ -53,21 +53,23 @@ class Int4Config(AOBaseConfig):
     """Options of the coalesced INT4 weight-only workflow.
 
     group_size: weights per scale/zero code along K; the format has 32 only.
-    method: how codes are chosen; ``"min_max"`` (torchao asymmetric min/max).
+    qparams: how scales and zero points are chosen: ``"mse"`` (least squared weight error,
+        never worse than min/max on any super-block) or ``"minmax"`` (torchao's asymmetric
+        min/max, bit for bit).
     activation_dtype: dtype of the activations the kernels take (and of the wrapper tensor).
     device: where to quantize each weight and keep it; None keeps the weight's device.
     """
 
     group_size: int = GROUP_SIZE
-    method: str = "min_max"
+    qparams: str = QPARAMS[0]
     activation_dtype: torch.dtype = torch.bfloat16
     device: Optional[torch.device] = None
 
     def __post_init__(self):
         if self.group_size != GROUP_SIZE:
             raise ValueError(f"group_size must be {GROUP_SIZE}, got {self.group_size}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; supported: {METHODS}")
+        if self.qparams not in QPARAMS:
+            raise ValueError(f"unknown qparams {self.qparams!r}; supported: {QPARAMS}")
         if self.activation_dtype not in CudaCoalescedInt4Tensor.ACTIVATION_DTYPES:
             raise ValueError(
                 f"activation_dtype must be one of {CudaCoalescedInt4Tensor.ACTIVATION_DTYPES}, "
@@ -143,7 +145,7 @@ def _quantize_linear(module: torch.nn.Module, config: Int4Config, **_) -> torch.
     quantized = CudaCoalescedInt4Tensor.from_float(
         weight,
         group_size=config.group_size,
-        method=config.method,
+        qparams=config.qparams,
         activation_dtype=config.activation_dtype,
     )
     module.weight = torch.nn.Parameter(quantized, requires_grad=False)

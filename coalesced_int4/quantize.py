@@ -2,13 +2,21 @@
 
 Contract (docs/format.md states it in full):
 
-* ``quantize_weight(w)`` takes a 2-D floating weight ``(N, K)`` on any device, ``K`` a
-  multiple of 32, and returns the five stored tensors of :class:`PackedInt4`, sized for
-  ``stored_k(K)`` columns: a K that is not a multiple of 256 is padded with zero columns to
-  whole super-blocks (they quantize to zero codes and zero values). The codes are
-  bit-identical to torchao's asymmetric ``min_max`` quantizer (``choose_qparams_affine`` +
-  ``quantize_affine`` with quant range [0, 15], bf16 scale and zero point) of the padded
-  weight followed by the per-256 "superscale" encoder, on every device.
+* ``quantize_weight(w, qparams=...)`` takes a 2-D floating weight ``(N, K)`` on any device,
+  ``K`` a multiple of 32, and returns the five stored tensors of :class:`PackedInt4`, sized
+  for ``stored_k(K)`` columns: a K that is not a multiple of 256 is padded with zero columns
+  to whole super-blocks (they quantize to zero codes and zero values). Two ways to choose the
+  scales and zero points (``QPARAMS``):
+
+  - ``"minmax"``: bit-identical to torchao's asymmetric ``min_max`` quantizer
+    (``choose_qparams_affine`` + ``quantize_affine`` with quant range [0, 15], bf16 scale and
+    zero point) of the padded weight followed by the per-256 "superscale" encoder, on every
+    device;
+  - ``"mse"`` (the default): per group of 32, the clipped range, then the scale and
+    fractional zero point, that minimise the squared weight error, searched again among
+    the neighbouring stored codes after the superscale encoding; a super-block keeps the
+    min-max encoding wherever that has the smaller error, so no super-block, hence no weight,
+    has a larger squared error than ``"minmax"`` gives it.
 * ``dequantize_packed(packed, dtype)`` evaluates
   ``w[n,k] = (q - zc*zs) * (sc*ss)`` with every product rounded to ``dtype`` over the stored
   columns (the caller drops the padding); in fp32 this is the exact value of the format, in
@@ -30,7 +38,12 @@ SUPER_BLOCK = 256
 GROUPS_PER_SUPER_BLOCK = SUPER_BLOCK // GROUP_SIZE
 QUANT_MAX = 15
 CODE_MAX = 255
-METHODS = ("min_max",)
+QPARAMS = ("mse", "minmax")
+"""How scales and zero points are chosen; the first is the default."""
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+"""``"mse"``: the fractions of each group's range tried as its clipped range."""
+LEAST_SQUARES_STEPS = 4
+"""``"mse"``: refits of (scale, zero point) to the codes by least squares."""
 # torchao clamps the fp32 scale to the fp32 machine epsilon, so an all-zero group gets a
 # tiny positive scale instead of zero.
 _SCALE_EPS = torch.finfo(torch.float32).eps
@@ -77,20 +90,21 @@ def unpackable_reason(weight: torch.Tensor) -> str | None:
 
 
 def quantize_weight(
-    weight: torch.Tensor, group_size: int = GROUP_SIZE, method: str = "min_max"
+    weight: torch.Tensor, group_size: int = GROUP_SIZE, qparams: str = QPARAMS[0]
 ) -> PackedInt4:
     """Quantize a dense ``(N, K)`` weight; the result lives on the weight's device."""
     if group_size != GROUP_SIZE:
         raise ValueError(f"group_size must be {GROUP_SIZE}, got {group_size}")
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; supported: {METHODS}")
+    if qparams not in QPARAMS:
+        raise ValueError(f"unknown qparams {qparams!r}; supported: {QPARAMS}")
     reason = unpackable_reason(weight)
     if reason is not None:
         raise ValueError(f"cannot quantize weight: {reason}")
     k = weight.shape[1]
     if stored_k(k) != k:
         weight = F.pad(weight, (0, stored_k(k) - k))
-    return PackedInt4(*_quantize_min_max(weight))
+    quantizer = _quantize_mse if qparams == "mse" else _quantize_min_max
+    return PackedInt4(*quantizer(weight))
 
 
 @torch.library.custom_op("coalesced_int4::quantize_min_max", mutates_args=())
@@ -110,12 +124,110 @@ def _quantize_min_max(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
     return pack_nibbles(q), scale_codes, scale_step, zero_codes, zero_step
 
 
-@_quantize_min_max.register_fake
-def _(weight: torch.Tensor):
+@torch.library.custom_op("coalesced_int4::quantize_mse", mutates_args=())
+def _quantize_mse(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The five stored tensors of ``weight`` with least-squares scales and zero points (the
+    ``"mse"`` contract above). An op of its own for the reason ``_quantize_min_max`` is."""
+    minmax = PackedInt4(*_quantize_min_max(weight))  # raises on NaN or Inf
     n, k = weight.shape
-    codes = lambda columns: weight.new_empty((n, columns), dtype=torch.uint8)  # noqa: E731
-    step = weight.new_empty((n, k // SUPER_BLOCK), dtype=torch.float16)
-    return codes(k // 2), codes(k // GROUP_SIZE), step, codes(k // GROUP_SIZE), step.clone()
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    scale, zero = _least_squares_qparams(groups)
+    scale_codes, scale_step = encode_superscale(scale)
+    zero_codes, zero_step = encode_superscale(zero)
+    q, scale_codes, zero_codes = _best_neighbouring_codes(groups, scale_codes, scale_step, zero_codes, zero_step)
+    mse = PackedInt4(pack_nibbles(q.reshape(n, k)), scale_codes, scale_step, zero_codes, zero_step)
+    return _per_super_block_better(weight, mse, minmax)
+
+
+def _register_fake_quantizer(op) -> None:
+    @op.register_fake
+    def _(weight: torch.Tensor):
+        n, k = weight.shape
+        codes = lambda columns: weight.new_empty((n, columns), dtype=torch.uint8)  # noqa: E731
+        step = weight.new_empty((n, k // SUPER_BLOCK), dtype=torch.float16)
+        return codes(k // 2), codes(k // GROUP_SIZE), step, codes(k // GROUP_SIZE), step.clone()
+
+
+_register_fake_quantizer(_quantize_min_max)
+_register_fake_quantizer(_quantize_mse)
+
+
+def _codes(groups, scale, zero):
+    """clamp(round(w / scale + zero), 0, 15) per group, as float."""
+    return torch.clamp(torch.round(groups / scale[..., None] + zero[..., None]), 0, QUANT_MAX)
+
+
+def _squared_error(groups, q, scale, zero):
+    return ((q - zero[..., None]) * scale[..., None] - groups).square().sum(-1)
+
+
+def _keep_better(best: list, candidate: list) -> list:
+    """Elementwise: each entry of ``candidate`` where its error (first entry) is lower."""
+    better = candidate[0] < best[0]
+    return [torch.where(better.reshape(better.shape + (1,) * (b.dim() - better.dim())), c, b)
+            for b, c in zip(best, candidate)]
+
+
+def _least_squares_qparams(groups: torch.Tensor):
+    """Per group (fp32 [N, G, 32]): the (scale, zero point) of the least squared error among
+    the clipped ranges ``CLIP_RATIOS`` (zero points fractional), refitted to their codes by
+    least squares ``LEAST_SQUARES_STEPS`` times. Zero points stay >= 0 (the format's zero
+    codes and steps are unsigned)."""
+    low = groups.amin(-1).clamp(max=0.0)
+    high = groups.amax(-1).clamp(min=0.0)
+    best = None
+    for ratio in CLIP_RATIOS:
+        scale = ((high - low) * ratio / QUANT_MAX).clamp(min=_SCALE_EPS)
+        zero = -low * ratio / scale
+        candidate = [_squared_error(groups, _codes(groups, scale, zero), scale, zero), scale, zero]
+        best = candidate if best is None else _keep_better(best, candidate)
+    for _ in range(LEAST_SQUARES_STEPS):
+        _, scale, zero = best
+        q = _codes(groups, scale, zero)
+        q_mean, w_mean = q.mean(-1), groups.mean(-1)
+        q_var = (q - q_mean[..., None]).square().sum(-1)
+        covariance = ((q - q_mean[..., None]) * (groups - w_mean[..., None])).sum(-1)
+        # w ~ scale * q - scale * zero: the regression of the weights on their codes.
+        fitted = torch.where(q_var > 0, covariance / q_var.clamp(min=_STEP_FLOOR), scale).clamp(min=_SCALE_EPS)
+        fitted_zero = ((fitted * q_mean - w_mean) / fitted).clamp(min=0.0)
+        candidate = [_squared_error(groups, _codes(groups, fitted, fitted_zero), fitted, fitted_zero), fitted,
+                     fitted_zero]
+        best = _keep_better(best, candidate)
+    return best[1], best[2]
+
+
+def _best_neighbouring_codes(groups, scale_codes, scale_step, zero_codes, zero_step):
+    """The encoded scale and zero of each group moved by -1, 0 or +1 code (nine pairs), the
+    weight codes recomputed from the decoded values: the pair with the least squared error,
+    and its codes (weight codes as uint8 [N, G, 32])."""
+    scale_unit = scale_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
+    zero_unit = zero_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
+    best = None
+    for scale_move in (-1, 0, 1):
+        for zero_move in (-1, 0, 1):
+            scale_code = (scale_codes.float() + scale_move).clamp(0, CODE_MAX)
+            zero_code = (zero_codes.float() + zero_move).clamp(0, CODE_MAX)
+            scale, zero = scale_code * scale_unit, zero_code * zero_unit
+            q = _codes(groups, scale.clamp(min=_STEP_FLOOR), zero)
+            candidate = [_squared_error(groups, q, scale, zero), scale_code, zero_code, q]
+            best = candidate if best is None else _keep_better(best, candidate)
+    _, scale_code, zero_code, q = best
+    return q.to(torch.uint8), scale_code.to(torch.uint8), zero_code.to(torch.uint8)
+
+
+def _per_super_block_better(weight: torch.Tensor, first: PackedInt4, second: PackedInt4):
+    """Per row and super-block, the encoding of ``first`` or ``second`` with the smaller
+    squared error against ``weight`` (exact fp32 values of each), ``second`` on ties."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // SUPER_BLOCK, SUPER_BLOCK)
+
+    def error(packed):
+        values = dequantize_packed(packed, torch.float32).reshape(n, k // SUPER_BLOCK, SUPER_BLOCK)
+        return (values - blocks).square().sum(-1)
+
+    take_first = error(first) < error(second)  # [N, K/256]
+    return tuple(torch.where(take_first.repeat_interleave(a.shape[1] // take_first.shape[1], dim=1), a, b)
+                 for a, b in zip(first, second))
 
 
 def _min_max_int4(weight: torch.Tensor):

@@ -29,6 +29,7 @@ from torchao.utils import TorchAOBaseTensor, fill_defaults
 from coalesced_int4.dispatch import quantized_linear
 from coalesced_int4.quantize import (
     GROUP_SIZE,
+    QPARAMS,
     SUPER_BLOCK,
     PackedInt4,
     dequantize_packed,
@@ -121,12 +122,13 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
         cls,
         weight: torch.Tensor,
         group_size: int = GROUP_SIZE,
-        method: str = "min_max",
+        qparams: str = QPARAMS[0],
         activation_dtype: Optional[torch.dtype] = None,
     ) -> "CudaCoalescedInt4Tensor":
-        """Quantize a dense 2-D float weight (any device; the result stays there)."""
+        """Quantize a dense 2-D float weight (any device; the result stays there); ``qparams``:
+        how scales and zero points are chosen (``quantize.QPARAMS``)."""
         return cls.from_packed(
-            quantize_weight(weight.detach(), group_size, method), activation_dtype, k=weight.shape[1]
+            quantize_weight(weight.detach(), group_size, qparams), activation_dtype, k=weight.shape[1]
         )
 
     @classmethod

@@ -345,8 +345,8 @@ def test_split_k_is_timed_per_shape_and_cached():
 
 def test_quantizing_on_cuda_gives_the_cpu_bits():
     w = torch.randn(512, 4096) * torch.logspace(-3, 2, 512)[:, None]
-    on_cpu = quantize_weight(w.to(torch.bfloat16))
-    on_gpu = quantize_weight(w.to(torch.bfloat16).cuda())
+    on_cpu = quantize_weight(w.to(torch.bfloat16), qparams="minmax")
+    on_gpu = quantize_weight(w.to(torch.bfloat16).cuda(), qparams="minmax")
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
 
 

@@ -434,3 +434,20 @@ def test_a_k_padded_to_whole_super_blocks_gives_the_bits_of_zero_padded_activati
             out = launch(bucket, x, *packed, 32, split_k=split, config=config)
             assert torch.equal(out, launch(bucket, padded, *packed, 32, split_k=split, config=config)), (split, config)
             assert_close_to_reference(out, dequant_matmul_reference(x, packed))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the emulation follows the interpreter's summation order, not the GPU's")
+@pytest.mark.parametrize("k", [256, 576, 2048])
+def test_the_torch_emulation_of_the_decode_kernel_gives_the_interpreted_kernels_bits(k):
+    """``accuracy.w4a8_linear`` (what decode-path perplexity runs on a CPU) against the W4A8
+    kernel at M = 1, split 1, in the interpreter: K within one trip, K padded, two trips."""
+    from coalesced_int4 import CudaCoalescedInt4Tensor
+    from coalesced_int4.accuracy import w4a8_linear
+
+    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(40, k, generator=torch.Generator().manual_seed(k)))
+    config = prune_int4_configs(int4_autotune_configs(1), {"K": k, "split_k": 1})[0]
+    for seed in range(3):
+        x = _x(1, k, seed=seed)
+        x[0, :32] *= 1e-3 if seed == 1 else 1.0  # a quiet group beside loud ones
+        kernel = launch(1, x, *weight.packed, 32, split_k=1, prequantize=False, config=config)
+        assert torch.equal(w4a8_linear(x, weight, groups_per_trip=config.kwargs["GROUPS"]), kernel), seed

@@ -250,11 +250,12 @@ def test_a_launch_for_a_symbolic_m_is_timed_on_the_kernel_the_graph_compiles(mon
     (1024, 4096, "w4a8", 132, 4),     # 64 tiles: split until 132 programs
     (1024, 1024, "w4a8", 132, 1),     # no split shorter than 1024 of K
     (1024, 2048, "w4a8", 132, 2),     # the longest split that keeps 1024 of K
-    (4096, 4096, "w4a16", 132, 3),    # 64 tiles of 64 rows
+    (4096, 4096, "w4a16", 132, 4),    # 64 tiles of 64 rows, about two an SM
+    (14336, 4096, "w4a16", 132, 2),
     (128256, 4096, "w4a16", 132, 1),
     (4096, 4096, "w4a16", None, 1),   # no CUDA device to count SMs of
 ])
-def test_an_untuned_launch_splits_k_until_its_programs_fill_the_sms(n, k, family, sms, split):
+def test_an_untuned_launch_splits_k_until_its_programs_fill_the_sms_once_or_twice(n, k, family, sms, split):
     candidates = SPLIT_K_CANDIDATES if family == "w4a8" else TILE_SPLIT_K_CANDIDATES
     assert default_split_k(n, k, family, candidates, sms) == split
 

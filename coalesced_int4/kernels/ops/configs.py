@@ -90,11 +90,20 @@ BLOCK_N of each family (the Triton autotuner still picks the tile at the rule's 
 DEFAULT_MIN_SPLIT_K = 1024
 """The least K a split is left by the default launch rule: shorter splits pay the reduction's
 extra launch and partial-sum traffic for too little of the main loop."""
+DEFAULT_WAVES = {"w4a8": 1.0, "w4a16": 1.9}
+"""Programs per SM the default launch rule asks for: W4A8 programs are one weight stream each,
+and one an SM reads at the memory's rate; W4A16 programs share an SM two or more at a time,
+and timed on an H200 (4096 x 4096 and 14336 x 4096, M = 8-64) the split nearest two an SM was
+within 7 % of the best there."""
+DEFAULT_PREQUANTIZE_WEIGHTS = 32 * 2**20
+"""At M = 2 the default launch quantizes activations in a kernel of their own only for weights
+of at least this many elements (timed on an H200: 14336 x 4096 gains, 4096 x 4096 loses); from
+M = 3 on it always does."""
 
 
 def default_split_k(n: int, k: int, family: str, candidates: Sequence[int], sms: Optional[int]) -> int:
     """The split-K an untuned launch runs with: the smallest candidate whose programs
-    (``DEFAULT_TILE_ROWS`` a tile) fill every SM once, without a split shorter than
+    (``DEFAULT_TILE_ROWS`` a tile) number ``DEFAULT_WAVES`` an SM, without a split shorter than
     ``DEFAULT_MIN_SPLIT_K`` (past that, the largest that keeps it). Where the SM count is not
     known (no CUDA device), 1."""
     if sms is None:
@@ -106,9 +115,15 @@ def default_split_k(n: int, k: int, family: str, candidates: Sequence[int], sms:
         if split > longest:
             break
         chosen = split
-        if tiles * split >= sms:
+        if tiles * split >= DEFAULT_WAVES[family] * sms:
             break
     return chosen
+
+
+def default_prequantize(m_bucket: int, n: int, k: int) -> bool:
+    """Whether an untuned W4A8 launch quantizes its activations in a kernel of their own
+    (``DEFAULT_PREQUANTIZE_WEIGHTS``)."""
+    return m_bucket >= 3 or (m_bucket == 2 and n * k >= DEFAULT_PREQUANTIZE_WEIGHTS)
 
 
 def w4a16_batch_rows(bucket: int, m) -> int:

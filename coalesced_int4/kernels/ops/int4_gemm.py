@@ -30,6 +30,7 @@ from coalesced_int4.kernels.ops.configs import (
     PREQUANTIZE_CANDIDATES,
     SPLIT_K_CANDIDATES,
     TILE_SPLIT_K_CANDIDATES,
+    default_prequantize,
     default_split_k,
     int4_autotune_configs,
     prune_int4_configs,
@@ -81,10 +82,10 @@ def _run(family_launch, bucket, x, weights, split_k: int, config: Optional[trito
 
 
 def _default_w4a8(bucket, x, qdata, *_) -> dict:
-    """An untuned W4A8 launch: the default split, and activations quantized by a kernel of
-    their own from two rows on (inside the GEMM, one launch, at one row)."""
-    split_k = default_split_k(qdata.shape[0], x.shape[1], "w4a8", SPLIT_K_CANDIDATES, multiprocessors(x.device))
-    return {"split_k": split_k, "prequantize": bucket > 1}
+    """An untuned W4A8 launch: the default split and activation quantization."""
+    n, k = qdata.shape[0], x.shape[1]
+    split_k = default_split_k(n, k, "w4a8", SPLIT_K_CANDIDATES, multiprocessors(x.device))
+    return {"split_k": split_k, "prequantize": default_prequantize(bucket, n, k)}
 
 
 def _default_w4a16(bucket, x, qdata, *_) -> dict:

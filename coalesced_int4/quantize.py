@@ -202,16 +202,20 @@ def _best_neighbouring_codes(groups, scale_codes, scale_step, zero_codes, zero_s
     and its codes (weight codes as uint8 [N, G, 32])."""
     scale_unit = scale_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
     zero_unit = zero_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
+
+    def decoded(scale_code, zero_code):
+        scale, zero = scale_code * scale_unit, zero_code * zero_unit
+        return _codes(groups, scale.clamp(min=_STEP_FLOOR), zero), scale, zero
+
     best = None
     for scale_move in (-1, 0, 1):
         for zero_move in (-1, 0, 1):
             scale_code = (scale_codes.float() + scale_move).clamp(0, CODE_MAX)
             zero_code = (zero_codes.float() + zero_move).clamp(0, CODE_MAX)
-            scale, zero = scale_code * scale_unit, zero_code * zero_unit
-            q = _codes(groups, scale.clamp(min=_STEP_FLOOR), zero)
-            candidate = [_squared_error(groups, q, scale, zero), scale_code, zero_code, q]
+            candidate = [_squared_error(groups, *decoded(scale_code, zero_code)), scale_code, zero_code]
             best = candidate if best is None else _keep_better(best, candidate)
-    _, scale_code, zero_code, q = best
+    _, scale_code, zero_code = best
+    q = decoded(scale_code, zero_code)[0]  # the winners' codes, computed once
     return q.to(torch.uint8), scale_code.to(torch.uint8), zero_code.to(torch.uint8)
 
 

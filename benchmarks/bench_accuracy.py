@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def prefill(model, windows: int = args.windows) -> float:
         return hf_tools.perplexity(model, tokenizer, text, args.window, args.window, windows)
 
-    rows, errors = [], {}
+    rows, errors, quantized = [], {}, {}
     rows.append(("bf16 (dense)", 16.0, prefill(dense), None))
     weights = sum(m.weight.numel() for m in _linears(dense).values())
     for qparams in QPARAMS:
@@ -114,6 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      decode))
         print(f"# {rows[-1]}", flush=True)
         errors[qparams] = accuracy.layer_output_errors(model, tokenizer, text, dense)
+        quantized[qparams] = model
     for group in (32, 128):
         for hqq in (False, True):
             model = copy.deepcopy(dense)
@@ -136,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         table.append(f'| ours, qparams="{qparams}" | {statistics.mean(by_layer.values()):.4f} '
                      f"| {max(by_layer.values()):.4f} |")
     table.append(f'| layers where "mse" is worse than "minmax" | {len(worse)} of {len(mse)} | - |')
-    table += w4a8_against_w4a16(dense, tokenizer, text) + embedding_as_head(dense, tokenizer, text)
+    table += w4a8_against_w4a16(quantized["mse"], dense, tokenizer, text) + embedding_as_head(dense, tokenizer, text)
     print("\n".join(table))
     if args.markdown:
         write_markdown(args.markdown, table)
@@ -144,23 +145,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 @torch.no_grad()
-def w4a8_against_w4a16(dense, tokenizer, text: str) -> List[str]:
-    """Per quantized layer (``"mse"``), on its captured inputs: the decode kernel's output
+def w4a8_against_w4a16(model, dense, tokenizer, text: str) -> List[str]:
+    """Per quantized layer of ``model``, on its captured inputs: the decode kernel's output
     error (``accuracy.w4a8_linear``, one row at a time as decoding runs it) and the bf16-chain
     output of the W4A16 kernels, each against the dense weight's exact output."""
-    model = copy.deepcopy(dense).cpu()
-    ci4.quantize_(model, ci4.int4_config())
-    inputs = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, name=name: inputs.__setitem__(name, a[0]))
-             for name, m in _linears(model).items()]
-    model(tokenizer(text, return_tensors="pt").input_ids[:, :64])
-    for hook in hooks:
-        hook.remove()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :64].to(model.device)
+    inputs = accuracy.linear_inputs(model, ids, accuracy.quantized_linears(model))
     ratios = []
     for name, x in inputs.items():
-        weight = model.get_submodule(name).weight
+        # On the CPU, where the emulation of the decode kernel runs.
+        x, weight = x.cpu(), model.get_submodule(name).weight.to("cpu")
         reference = dense.get_submodule(name).weight.float().cpu()
-        x = x.reshape(-1, x.shape[-1])
         exact = x.float() @ reference.t()
         w4a16 = (x.float() @ dequantize_packed(weight.packed, torch.bfloat16)[:, : x.shape[1]].float().t())
         w4a8 = torch.cat([accuracy.w4a8_linear(row[None], weight).float() for row in x])
@@ -173,11 +168,8 @@ def w4a8_against_w4a16(dense, tokenizer, text: str) -> List[str]:
 def embedding_as_head(dense, tokenizer, text: str) -> List[str]:
     """The dense embedding matrix (off any 4-bit grid) quantized as a linear weight and applied
     as the tied head to the final hidden states of the text: relative output error."""
-    captured = {}
-    hook = dense.lm_head.register_forward_pre_hook(lambda mod, a: captured.__setitem__("x", a[0]))
-    dense(tokenizer(text, return_tensors="pt").input_ids[:, :128].to(dense.device))
-    hook.remove()
-    x = captured["x"].reshape(-1, captured["x"].shape[-1]).float()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :128].to(dense.device)
+    x = accuracy.linear_inputs(dense, ids, ["lm_head"])["lm_head"].float()
     weight = dense.lm_head.weight.detach()
     exact = x @ weight.float().t()
     line = []

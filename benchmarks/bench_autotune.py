@@ -22,7 +22,7 @@ import time
 from typing import List, Optional
 
 import torch
-from bench_gemm import random_int4_weights  # this script's folder is on sys.path
+from bench_gemm import random_int4_weights, write_json  # this script's folder is on sys.path
 
 from coalesced_int4.decoder import LLAMA3_8B, Decoder
 from coalesced_int4.kernels import SUPPORTED_BUCKETS, autotune_launch_params, launch
@@ -78,9 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"| {mode} | {rows[-1]['seconds']:.1f} s | split-K timed {rows[-1]['measured']}, "
                   f"restored {rows[-1]['restored']} | parallel {rows[-1]['parallel']} |", flush=True)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": shapes,
-                       "buckets": buckets, "rows": rows}, handle, indent=1)
+        write_json(args.json, shapes=shapes, buckets=buckets, rows=rows)
     return 0
 
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from typing import Dict, List, Optional
 
 import torch
-from bench_gemm import write_markdown
+from bench_gemm import write_json, write_markdown
 
 import coalesced_int4 as ci4
 from coalesced_int4.decoder import LLAMA3_8B, build_decoder, generate
@@ -269,9 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.markdown:
         write_markdown(args.markdown, table)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "rows": rows}, handle, indent=1)
+        write_json(args.json, rows=rows)
     return 0
 
 

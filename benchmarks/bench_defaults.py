@@ -20,7 +20,6 @@ The table gives each time and the ratios default / tuned (the worst is the headl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from typing import List, Optional
@@ -32,13 +31,14 @@ from bench_gemm import (
     bucket_for,
     random_int4_weights,
     settle_launch_state,
+    write_json,
     write_markdown,
 )
 
 import coalesced_int4 as ci4
 from coalesced_int4.kernels import BUCKET_KERNELS, clear_launch_param_cache, launch
 from coalesced_int4.kernels.autotune.cuda_graph_timing import copies_beyond_l2, time_back_to_back_us
-from coalesced_int4.kernels.ops.int4_gemm import _default_w4a8, _default_w4a16
+from coalesced_int4.kernels.ops.int4_gemm import decided_launch
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64)
 SHAPES = tuple(shape for shape in LLAMA3_8B_SHAPES if shape != (6144, 4096))
@@ -73,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for m in ms:
             bucket = bucket_for(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            default = (_default_w4a8 if bucket <= 4 else _default_w4a16)(bucket, x, copies[0][0])
+            default = decided_launch(bucket, x, *copies[0])  # no pick yet: the default rule's
             default_us = timed(bucket, x, copies)
             with ci4.autotune() as stats:
                 tuned_us = timed(bucket, x, copies)
@@ -90,8 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          f"| {warm_us / tuned_us:.2f} | {_params(default)} | {_params(stats.choices[-1])} |")
             print(table[-1], flush=True)
             if args.json:
-                with open(args.json, "w") as handle:
-                    json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, handle, indent=1)
+                write_json(args.json, rows=rows)
     worst = max(r["default_us"] / r["tuned_us"] for r in rows)
     warm = max(r["warm_us"] / r["tuned_us"] for r in rows)
     table.append("")

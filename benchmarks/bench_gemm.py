@@ -233,6 +233,12 @@ def environment_stamp() -> str:
             f"commit {commit}")
 
 
+def write_json(path: str, **content) -> None:
+    """``content`` as JSON, with the GPU and torch version it was measured on."""
+    with open(path, "w") as handle:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **content}, handle, indent=1)
+
+
 def write_markdown(path: str, table: List[str]) -> None:
     """The table as Markdown, under its environment stamp and the command that made it."""
     command = " ".join(["python", *[arg if " " not in arg else repr(arg) for arg in sys.argv]])
@@ -302,10 +308,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.markdown:
             write_markdown(args.markdown, table)
         if args.json:
-            with open(args.json, "w") as handle:
-                json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                           "hbm_read_bandwidth": bandwidth, "results": list(results.values()),
-                           "errors": errors}, handle, indent=1)
+            write_json(args.json, hbm_read_bandwidth=bandwidth, results=list(results.values()), errors=errors)
     return 0
 
 

@@ -13,8 +13,8 @@ time through a KV cache, so every linear runs at M = 1:
   Triton's interpreter sums, in NumPy) and rounded once to bf16. A test holds it to the
   interpreted kernel's bits.
 
-``layer_output_errors`` gives each quantized linear's relative output error on activations
-captured from the model itself (the input each layer saw on a text).
+``linear_inputs`` captures the input each linear of a model sees on some tokens;
+``layer_output_errors`` gives each quantized linear's relative output error on them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from typing import Dict, Optional
+from typing import Dict, Iterable
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from coalesced_int4.kernels.ops.configs import W4A8_TILES
 from coalesced_int4.quantize import GROUP_SIZE, GROUPS_PER_SUPER_BLOCK, unpack_nibbles
 from coalesced_int4.tensor import CudaCoalescedInt4Tensor
+from coalesced_int4.torch_internals import WeakIdKeyDictionary
 
 INVERSE_LIMIT = 2.0**126
 """The W4A8 kernel's cap on ``1 / scale`` of a group (a group of denormals overflows it)."""
@@ -79,7 +80,7 @@ class _DecodePath(torch.overrides.TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.unpacked: Dict[int, tuple] = {}
+        self.unpacked = WeakIdKeyDictionary()  # weight -> _group_values(weight)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,10 +89,9 @@ class _DecodePath(torch.overrides.TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.reshape(-1, x.shape[-1])
             if rows.shape[0] == 1:
-                key = id(weight)
-                if key not in self.unpacked:
-                    self.unpacked[key] = (weight, _group_values(weight))
-                out = w4a8_linear(rows, weight, unpacked=self.unpacked[key][1]).to(x.dtype)
+                if weight not in self.unpacked:
+                    self.unpacked[weight] = _group_values(weight)
+                out = w4a8_linear(rows, weight, unpacked=self.unpacked[weight]).to(x.dtype)
                 if bias is not None:
                     out = out + bias
                 return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -127,27 +127,41 @@ def decode_perplexity(model, tokenizer, text: str, window: int = 128, max_window
 
 
 @torch.no_grad()
-def layer_output_errors(model, tokenizer, text: str, dense: Optional[torch.nn.Module] = None,
-                        max_tokens: int = 256) -> Dict[str, float]:
-    """Each quantized linear's relative output error ``|x W_q^T - x W^T| / |x W^T|`` on the
-    inputs it sees on ``text`` (its first ``max_tokens`` tokens), with W the same layer of
-    ``dense`` (the model before quantization)."""
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+def linear_inputs(model, ids: torch.Tensor, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """The input each named linear of ``model`` sees in one forward of ``ids``, as
+    ``[tokens, K]``."""
     inputs: Dict[str, torch.Tensor] = {}
-    hooks = [module.register_forward_pre_hook(lambda mod, args, name=name: inputs.__setitem__(name, args[0]))
-             for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and isinstance(module.weight, CudaCoalescedInt4Tensor)]
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda module, args, name=name: inputs.__setitem__(name, args[0].reshape(-1, args[0].shape[-1])))
+        for name in names]
     try:
         model(ids)
     finally:
         for hook in hooks:
             hook.remove()
-    dense_weights = dict(dense.named_parameters()) if dense is not None else {}
+    return inputs
+
+
+def quantized_linears(model) -> Dict[str, torch.nn.Linear]:
+    """The linears of ``model`` whose weight is quantized, by name."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and isinstance(module.weight, CudaCoalescedInt4Tensor)}
+
+
+@torch.no_grad()
+def layer_output_errors(model, tokenizer, text: str, dense: torch.nn.Module, max_tokens: int = 256
+                        ) -> Dict[str, float]:
+    """Each quantized linear's relative output error ``|x W_q^T - x W^T| / |x W^T|`` on the
+    inputs it sees on ``text`` (its first ``max_tokens`` tokens), with W the same layer of
+    ``dense`` (the model before quantization)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+    inputs = linear_inputs(model, ids, quantized_linears(model))
+    dense_weights = dict(dense.named_parameters())
     errors = {}
     for name, x in inputs.items():
         quantized = model.get_submodule(name).weight
         reference = dense_weights[f"{name}.weight"].float()
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.float()
         exact = x @ reference.t()
         errors[name] = float((x @ quantized.dequantize(torch.float32).t() - exact).norm() / exact.norm())
     return errors

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from coalesced_int4.kernels.autotune.launch_params import generation, tuning_stats
+from coalesced_int4.kernels.ops import int4_gemm
+from coalesced_int4.kernels.ops.int4_gemm import INT4_QUANTIZED_GEMM
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from coalesced_int4.torch_internals import WeakIdKeyDictionary, dispatch_mode_active, is_fake
 
@@ -47,8 +49,6 @@ def quantized_linear(
         if bucket is None:
             out = dequant_linear(x_2d, weight.packed, k)
         else:
-            from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
-
             out = INT4_QUANTIZED_GEMM.op(bucket)(x_2d, *weight_args)
     if bias is not None:
         out = out + bias
@@ -77,8 +77,6 @@ def _plain_eager(x_2d: torch.Tensor) -> bool:
 
 
 def _eager_linear(x_2d: torch.Tensor, weight) -> torch.Tensor:
-    from coalesced_int4.kernels.ops.int4_gemm import decided_launch, launch_decided
-
     plans = _EAGER_PLANS.get(weight)
     if plans is None:
         plans = _EAGER_PLANS[weight] = {}
@@ -86,14 +84,14 @@ def _eager_linear(x_2d: torch.Tensor, weight) -> torch.Tensor:
     plan = plans.get(signature)
     if plan is None:  # the rule, once per signature
         bucket = select_bucket(x_2d, (*weight.packed, weight.group_size))
-        launch_params = None if bucket is None else decided_launch(bucket, x_2d, *weight.packed)
+        launch_params = None if bucket is None else int4_gemm.decided_launch(bucket, x_2d, *weight.packed)
         plan = plans[signature] = EagerPlan(bucket, launch_params, generation())
     elif plan.bucket is not None and plan.generation != generation():
-        plan = plans[signature] = EagerPlan(plan.bucket, decided_launch(plan.bucket, x_2d, *weight.packed),
+        plan = plans[signature] = EagerPlan(plan.bucket, int4_gemm.decided_launch(plan.bucket, x_2d, *weight.packed),
                                             generation())
     if plan.bucket is None:
         return dequant_linear(x_2d, weight.packed, weight.shape[1])
-    return launch_decided(plan.bucket, x_2d, weight.packed, plan.launch_params)
+    return int4_gemm.launch_decided(plan.bucket, x_2d, weight.packed, plan.launch_params)
 
 
 def check_activation(x: torch.Tensor, k: int) -> None:
@@ -121,8 +119,6 @@ def select_bucket(x_2d: torch.Tensor, weight_args: tuple) -> Optional[int]:
     """The smallest bucket whose op takes these arguments, or None."""
     if not can_launch_triton(x_2d):
         return None
-    from coalesced_int4.kernels import INT4_QUANTIZED_GEMM
-
     for bucket in INT4_QUANTIZED_GEMM.buckets:
         if INT4_QUANTIZED_GEMM.supports(bucket, x_2d, *weight_args):
             return bucket

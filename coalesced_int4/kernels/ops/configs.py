@@ -130,8 +130,9 @@ def w4a16_batch_rows(bucket: int, m) -> int:
     """The activation rows the W4A16 kernel multiplies for M rows at ``bucket``: three
     quarters of bucket 64 (48: a dot of 32 rows and one of 16) where M is static and at most
     48, else the whole bucket. A symbolic M, however bounded, gets the whole bucket, so that
-    one compiled binary serves its range (``m`` None: a launch for a symbolic M). Bucket 32 keeps one dot: its quarter (8 rows)
-    would compile to ``mma.sync``, whose operand layout lengthens the loop."""
+    one compiled binary serves its range (``m`` None: a launch for a symbolic M). Bucket 32
+    keeps one dot: its quarter (8 rows) would compile to ``mma.sync``, whose operand layout
+    lengthens the loop."""
     three_quarters = 3 * bucket // 4
     if bucket == 64 and isinstance(m, int) and m <= three_quarters:
         return three_quarters

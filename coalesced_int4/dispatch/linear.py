@@ -7,9 +7,11 @@
    ``[1, bucket]``, or a symbolic ``M`` provably so. In plain eager use (a real CUDA input,
    not compiling, no dispatch mode watching) the choice is made once per weight and
    activation signature (rows, dtype, device, strides, storage offset) with the launch
-   parameters it runs with (``EagerPlan``), and later calls launch the kernels directly,
-   without the op's dispatch and second validation; the plan's launch parameters are
-   decided again once tuning changes a pick. While tuning is on, calls take the op.
+   parameters it runs with (``EagerPlan``); its first call is recorded and later calls
+   replay those launches (``recorded_call``: no op dispatch, second validation, launch
+   decision or Triton launcher in the way). The plan's launch parameters are decided, and
+   its call recorded, again once tuning changes a pick. While tuning is on, calls take the
+   op.
 3. Otherwise the weight is dequantized exactly (fp32), rounded once to the activation dtype
    and multiplied with ``F.linear``, in chunks of 32,768 rows above 65,536 rows so a huge
    ``lm_head`` never builds a multi-GiB dense temporary. (Rounding every step of the
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from coalesced_int4.kernels.autotune.launch_params import generation, tuning_stats
 from coalesced_int4.kernels.ops import int4_gemm
 from coalesced_int4.kernels.ops.int4_gemm import INT4_QUANTIZED_GEMM
+from coalesced_int4.kernels.runtime import recorded_call
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
 from coalesced_int4.torch_internals import WeakIdKeyDictionary, dispatch_mode_active, is_fake
 
@@ -38,60 +41,102 @@ DEQUANT_N_CHUNK = 32_768
 def quantized_linear(
     x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    n, k = weight.shape
-    check_activation(x, k)
-    x_2d = x.reshape(-1, k)
-    if _plain_eager(x_2d):
-        out = _eager_linear(x_2d, weight)
+    if _plain_eager(x):
+        out = _eager_linear(x, weight)
     else:
+        n, k = weight.shape
+        check_activation(x, k)
+        x_2d = x.reshape(-1, k)
         weight_args = (*weight.packed, weight.group_size)
         bucket = select_bucket(x_2d, weight_args)
         if bucket is None:
             out = dequant_linear(x_2d, weight.packed, k)
         else:
             out = INT4_QUANTIZED_GEMM.op(bucket)(x_2d, *weight_args)
+        out = out.reshape(*x.shape[:-1], n)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], n)
+    return out
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class EagerPlan:
     """How eager calls of one weight on one activation signature run: the bucket the rule
-    chose (None: the fallback), the launch parameters decided for it, and the pick generation
-    they were decided at (``launch_params.generation``)."""
+    chose (None: the fallback), the launch parameters decided for it, the pick generation
+    they were decided at (``launch_params.generation``) and, once a call has been recorded,
+    its replay (``recorded_call``)."""
 
     bucket: Optional[int]
     launch_params: Optional[dict]
     generation: int
+    recordings: int = 0
+    """Calls recorded so far: a call whose autotuner still timed its configs (it launches
+    them all) records nothing replayable, the next one does."""
+    replay: Optional[recorded_call.RecordedCall] = None
+
+
+RECORDINGS = 2
+"""Calls of a plan recorded at most, until one gives a replay."""
+
+
+class _WeightPlans:
+    """A weight's shape (read once: a tensor subclass's ``shape`` costs a ``__torch_function__``
+    call) and its plans, by activation signature."""
+
+    __slots__ = ("n", "k", "plans")
+
+    def __init__(self, weight):
+        self.n, self.k = weight.shape
+        self.plans = {}
 
 
 _EAGER_PLANS = WeakIdKeyDictionary()
-"""weight -> {activation signature: EagerPlan}; a weight's plans go with it."""
+"""weight -> _WeightPlans; a weight's plans go with it."""
 
 
-def _plain_eager(x_2d: torch.Tensor) -> bool:
-    """A real CUDA input, not compiling or tracing, no dispatch mode watching, tuning off."""
-    return (x_2d.is_cuda and not torch.compiler.is_compiling() and not is_fake(x_2d)
+def _plain_eager(x: torch.Tensor) -> bool:
+    """A plain CUDA tensor (not fake, functional or another subclass), not compiling or
+    tracing, no dispatch mode watching, tuning off."""
+    return (type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
             and not dispatch_mode_active() and tuning_stats() is None)
 
 
-def _eager_linear(x_2d: torch.Tensor, weight) -> torch.Tensor:
-    plans = _EAGER_PLANS.get(weight)
-    if plans is None:
-        plans = _EAGER_PLANS[weight] = {}
+def _eager_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    entry = _EAGER_PLANS.get(weight)
+    if entry is None:
+        entry = _EAGER_PLANS[weight] = _WeightPlans(weight)
+    check_activation(x, entry.k)
+    x_2d = x if x.dim() == 2 else x.reshape(-1, entry.k)
+    out = _eager_linear_2d(x_2d, weight, entry)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], entry.n)
+
+
+def _eager_linear_2d(x_2d: torch.Tensor, weight, entry: _WeightPlans) -> torch.Tensor:
     signature = (x_2d.shape[0], x_2d.dtype, x_2d.device, x_2d.stride(), x_2d.storage_offset())
-    plan = plans.get(signature)
+    plan = entry.plans.get(signature)
+    packed = weight.packed
     if plan is None:  # the rule, once per signature
-        bucket = select_bucket(x_2d, (*weight.packed, weight.group_size))
-        launch_params = None if bucket is None else int4_gemm.decided_launch(bucket, x_2d, *weight.packed)
-        plan = plans[signature] = EagerPlan(bucket, launch_params, generation())
+        bucket = select_bucket(x_2d, (*packed, weight.group_size))
+        launch_params = None if bucket is None else int4_gemm.decided_launch(bucket, x_2d, *packed)
+        plan = entry.plans[signature] = EagerPlan(bucket, launch_params, generation())
     elif plan.bucket is not None and plan.generation != generation():
-        plan = plans[signature] = EagerPlan(plan.bucket, int4_gemm.decided_launch(plan.bucket, x_2d, *weight.packed),
-                                            generation())
+        plan = entry.plans[signature] = EagerPlan(plan.bucket, int4_gemm.decided_launch(plan.bucket, x_2d, *packed),
+                                                  generation())
     if plan.bucket is None:
-        return dequant_linear(x_2d, weight.packed, weight.shape[1])
-    return int4_gemm.launch_decided(plan.bucket, x_2d, weight.packed, plan.launch_params)
+        return dequant_linear(x_2d, packed, entry.k)
+    if plan.replay is not None:
+        out = plan.replay(x_2d, packed)
+        if out is not None:
+            return out
+
+    def launch():
+        return int4_gemm.launch_decided(plan.bucket, x_2d, packed, plan.launch_params)
+
+    if plan.replay is None and plan.recordings < RECORDINGS:
+        plan.recordings += 1
+        out, plan.replay = recorded_call.record(x_2d, packed, launch)
+        return out
+    return launch()
 
 
 def check_activation(x: torch.Tensor, k: int) -> None:

@@ -441,13 +441,71 @@ def test_plain_eager_calls_launch_what_the_op_launches_and_follow_a_new_pick(m):
     x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
     bucket = next(b for b in SUPPORTED_BUCKETS if b >= m)
     first = F.linear(x, weight)
-    (plan,) = _EAGER_PLANS[weight].values()
+    (plan,) = _EAGER_PLANS[weight].plans.values()
     assert plan.bucket == bucket
     op = INT4_QUANTIZED_GEMM.op(bucket)(x, *weight.packed, 32)  # outside tuning: the same default
     assert torch.equal(first, op) and torch.equal(F.linear(x, weight), first)
+    assert plan.replay is not None  # recorded: later calls replay it
+    x = _x(m, 2048)
+    assert torch.equal(F.linear(x, weight), INT4_QUANTIZED_GEMM.op(bucket)(x, *weight.packed, 32))
     with autotune_launch_params() as stats:
         tuned = F.linear(x, weight)
     assert torch.equal(F.linear(x, weight), tuned)
-    (plan,) = _EAGER_PLANS[weight].values()
+    (plan,) = _EAGER_PLANS[weight].plans.values()
     assert plan.launch_params == {k: v for k, v in stats.choices[-1].items() if k in plan.launch_params}
     clear_launch_param_cache()
+
+
+@pytest.mark.parametrize("m, k, launch_params", [
+    (1, 2048, {"split_k": 1, "prequantize": False}),
+    (2, 2048, {"split_k": 4, "prequantize": True}),
+    (4, 576, {"split_k": 2, "prequantize": False}),
+    (6, 2048, {"split_k": 1, "balanced": False}),
+    (16, 2048, {"split_k": 4, "balanced": True}),
+    (48, 576, {"split_k": 3, "balanced": False}),
+])
+def test_a_recorded_call_replays_the_launch_bits_on_a_new_activation(m, k, launch_params):
+    """Every kind of launch (W4A8 with the activations quantized inside or first, W4A16 on
+    the plain or balanced grid, split or not, K padded or whole) replays as the launch
+    itself runs on another activation, with one replayed launch per kernel."""
+    from coalesced_int4.kernels.ops import int4_gemm
+    from coalesced_int4.kernels.runtime import recorded_call
+
+    packed = quantize_weight(torch.randn(6656, k, dtype=torch.bfloat16, device="cuda"))
+    bucket = next(b for b in SUPPORTED_BUCKETS if b >= m)
+    x = _x(m, k)
+
+    def call(x):
+        return int4_gemm.launch_decided(bucket, x, packed, launch_params)
+
+    first = call(x)  # the autotuner picks its config
+    out, replay = recorded_call.record(x, packed, lambda: call(x))
+    assert replay is not None and torch.equal(out, first)
+    kernels = 1 + (launch_params["split_k"] > 1) + launch_params.get("prequantize", False)
+    assert len(replay.launches) == kernels
+    other = _x(m, k)
+    assert torch.equal(replay(other, packed), call(other))
+
+
+def test_a_replay_steps_aside_for_a_launch_hook_and_for_other_weight_tensors():
+    """With a launch hook installed (a profiler's), eager calls launch through Triton, which
+    calls the hook; a replay never runs on weight tensors other than those it recorded."""
+    import triton
+
+    from coalesced_int4.dispatch.linear import _EAGER_PLANS
+
+    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(1024, 2048, device="cuda"))
+    x = _x(1, 2048)
+    for _ in range(3):
+        expected = F.linear(x, weight)
+    (plan,) = _EAGER_PLANS[weight].plans.values()
+    assert plan.replay is not None
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(F.linear(x, weight), expected)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert names
+    assert plan.replay(x, tuple(t.clone() for t in weight.packed)) is None

@@ -37,6 +37,7 @@ import torch
 import triton
 
 from coalesced_int4.kernels.autotune.persistent import PickStore, config_to_json, matching_config
+from coalesced_int4.kernels.runtime import recorded_call
 from coalesced_int4.torch_internals import is_fake
 
 try:
@@ -152,7 +153,7 @@ def launch_or_queue(kernel, grid, *args, **kwargs) -> None:
     if queuing_only():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
-        kernel[grid](*args, **kwargs)
+        recorded_call.run_kernel(kernel, grid, *args, **kwargs)
 
 
 def _queue_compiles(autotuner, args, kwargs) -> None:

@@ -23,7 +23,7 @@ import triton.language as tl
 from coalesced_int4.kernels.autotune.tuner import launch_or_queue, tuned_kernel
 from coalesced_int4.kernels.device_functions import to_bf16
 from coalesced_int4.kernels.ops import family
-from coalesced_int4.kernels.runtime import dependent_launch
+from coalesced_int4.kernels.runtime import dependent_launch, recorded_call
 from coalesced_int4.kernels.runtime.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 from coalesced_int4.quantize import SUPER_BLOCK
 from coalesced_int4.torch_internals import is_wrap_triton_enabled
@@ -131,11 +131,11 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
     apart: it specializes arguments equal to 1)."""
     qdata, scale, scale_step, zero_point, zero_point_step = weights
     n = qdata.shape[0]
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=qdata.device)
+    out = recorded_call.empty((m, n), torch.bfloat16, qdata.device)
     if split_k == 1:
         target, stride_s = out, 0
     else:
-        target = torch.empty((split_k, bucket, n), dtype=torch.float32, device=qdata.device)
+        target = recorded_call.empty((split_k, bucket, n), torch.float32, qdata.device)
         stride_s = target.stride(0)
 
     balanced = bool(short_columns)
@@ -156,7 +156,7 @@ def launch_split_k_gemm(kernel, *, bucket, m, k, split_k, activations, activatio
               "INTERPRET": family.INTERPRETER, **dependent_launch.options(qdata), **grid_constants, **(constants or {})}
     if is_wrap_triton_enabled():  # tracing: a tuned shape compiles its pick alone
         kernel = tuned_kernel(kernel, args, kwargs)
-    family.launchable(kernel)[grid](*args, **kwargs)
+    recorded_call.run_kernel(family.launchable(kernel), grid, *args, **kwargs)
     if split_k > 1:
         grid, args, meta = reduction_launch(target, out, m, short_columns or 0)
         launch_or_queue(family.launchable(_splitk_reduce_kernel), grid, *args, **meta)

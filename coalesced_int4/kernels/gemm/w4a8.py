@@ -39,7 +39,7 @@ from coalesced_int4.kernels.device_functions import repeat_columns, to_bf16
 from coalesced_int4.kernels.gemm.split_k import launch_split_k_gemm, split_bounds
 from coalesced_int4.kernels.ops import family
 from coalesced_int4.kernels.ops.validation import CODE_WORD
-from coalesced_int4.kernels.runtime import dependent_launch
+from coalesced_int4.kernels.runtime import dependent_launch, recorded_call
 from coalesced_int4.kernels.runtime.dependent_launch import let_next_kernel_launch, wait_for_previous_kernel
 
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + M rounds |y| < 2**22 to even
@@ -161,7 +161,7 @@ QUANTIZE_GROUPS = 16
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """bf16 [M, K] -> int32 [M, K / 32 * WORDS_PER_GROUP], for the GEMM to read."""
     m, k = x.shape
-    out = torch.empty((m, k // 32 * WORDS_PER_GROUP), dtype=torch.int32, device=x.device)
+    out = recorded_call.empty((m, k // 32 * WORDS_PER_GROUP), torch.int32, x.device)
     launch_or_queue(family.launchable(_quantize_kernel), (triton.cdiv(k // 32, QUANTIZE_GROUPS), m),
                     x, out, k, x.stride(0), out.stride(0), GROUPS=QUANTIZE_GROUPS,
                     INTERPRET=family.INTERPRETER, num_warps=4, **dependent_launch.options(x))

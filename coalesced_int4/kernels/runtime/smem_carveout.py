@@ -21,8 +21,9 @@ launch hook that sets the compiled function's preferred carveout wherever the gr
 another one than the last set. A CUDA graph keeps the carveout a launch was captured under,
 so one graph may hold launches of a binary at different grids. The
 hook is installed only around those launches: a launch hook left installed would turn off
-Inductor's static launcher for every compiled kernel in the process. Launches that Inductor or
-AOTInductor make load functions of their own and keep Triton's carveout.
+Inductor's static launcher for every compiled kernel in the process. A replayed eager call
+(``recorded_call``) sets the carveout its recorded launch had (``Fitter.set``). Launches that
+Inductor or AOTInductor make load functions of their own and keep Triton's carveout.
 """
 
 from __future__ import annotations
@@ -149,8 +150,11 @@ class Fitter:
         if function not in self.occupancy:
             self.occupancy[function] = occupancy(function, threads, shared)
         # Triton launches on the current device, whose function handle this is.
-        percent = carveout_percent(programs, self.occupancy[function], shared,
-                                   shared_memory(torch.cuda.current_device()))
+        self.set(function, carveout_percent(programs, self.occupancy[function], shared,
+                                            shared_memory(torch.cuda.current_device())))
+
+    def set(self, function: int, percent: int) -> None:
+        """Give ``function`` the carveout ``percent``, asking the driver only where it has another."""
         if self.carveout.get(function) != percent:
             set_carveout(function, percent)
             self.carveout[function] = percent

@@ -22,8 +22,10 @@ setup(
     ],
     extras_require={
         "hf": HUGGING_FACE,
-        # gensim ships the English text the accuracy tests score (its test data).
-        "test": ["pytest", "pytest-xdist", "psutil", "gensim", *HUGGING_FACE],
+        # gensim ships the English text the accuracy tests score (its test data); filelock
+        # lets pytest-xdist workers share the SmolLM2 checkpoints one of them builds;
+        # expecttest is what torch's test utilities (torchao's tensor-parallel case) import.
+        "test": ["pytest", "pytest-xdist", "psutil", "gensim", "filelock", "expecttest", *HUGGING_FACE],
     },
     entry_points={"console_scripts": ["coalesced-int4=coalesced_int4.cli:main"]},
 )

@@ -46,7 +46,7 @@ for step in $steps; do
     tests)
       # -v names each test as it ends, so a run stopped by the cap still says which finished.
       timeout "${TESTS_S:-420}" python -m pytest -v -rfs -p no:cacheprovider --durations=15 \
-        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_compiled_gpu.py tests/gpu/test_autotune_gpu.py tests/gpu/test_hf_gpu.py \
+        ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_FILES:-tests/gpu/test_gpu.py tests/gpu/test_compiled_gpu.py tests/gpu/test_autotune_gpu.py tests/gpu/test_hf_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
         tests/kernels/test_decode_attention.py tests/kernels/test_int4_gemm_numerics.py tests/kernels/test_carveout.py} \
         > "$out/tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$out/tests.log" | cut -c1-300 | tail -25 ;;

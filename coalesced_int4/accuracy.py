@@ -42,13 +42,15 @@ tile of the space)."""
 
 
 def _group_values(weight: CudaCoalescedInt4Tensor):
-    """The weight's codes (float [N, Gs, 32]) and per-group fp32 ``ws`` and ``wz`` [N, Gs]."""
+    """The weight's codes (float [Gs, 32, N]) and per-group fp32 ``ws`` and ``wz`` [Gs, N]:
+    group-major, so that a call is one batched product and elementwise work on contiguous
+    rows."""
     packed = weight.packed
     n = packed.qdata.shape[0]
-    codes = unpack_nibbles(packed.qdata).float().reshape(n, -1, GROUP_SIZE)
+    codes = unpack_nibbles(packed.qdata).float().reshape(n, -1, GROUP_SIZE).permute(1, 2, 0).contiguous()
     ws = packed.scale.float() * packed.scale_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
     wz = packed.zero_point.float() * packed.zero_point_step.float().repeat_interleave(GROUPS_PER_SUPER_BLOCK, dim=1)
-    return codes, ws, wz
+    return codes, ws.t().contiguous(), wz.t().contiguous()
 
 
 def w4a8_linear(x: torch.Tensor, weight: CudaCoalescedInt4Tensor, groups_per_trip: int = DECODE_GROUPS,
@@ -57,21 +59,21 @@ def w4a8_linear(x: torch.Tensor, weight: CudaCoalescedInt4Tensor, groups_per_tri
     order); ``unpacked``: ``_group_values(weight)``, where the caller keeps it."""
     codes, ws, wz = unpacked if unpacked is not None else _group_values(weight)
     m, k = x.shape
-    n, groups, _ = codes.shape
+    groups, _, n = codes.shape
     v = F.pad(x.float(), (0, groups * GROUP_SIZE - k)).reshape(m, groups, GROUP_SIZE)
     amax = v.abs().amax(-1)
     scale = amax / 127.0
     inverse = torch.where(amax > 0, torch.clamp(1.0 / scale, max=INVERSE_LIMIT), torch.zeros_like(scale))
     q = torch.round(v * inverse[..., None])  # fp32 product, then half to even, as the kernel
     asum = q.sum(-1)  # exact: at most 32 * 127
-    dot = torch.einsum("ngk,mgk->mng", codes, q)  # exact integers in fp32
-    terms = (dot - asum[:, None, :] * wz[None]) * (scale[:, None, :] * ws[None])  # [M, N, Gs] fp32
+    dot = torch.bmm(q.transpose(0, 1), codes)  # [Gs, M, N]: exact integers in fp32
+    terms = (dot - asum.t()[..., None] * wz[:, None]) * (scale.t()[..., None] * ws[:, None])  # [Gs, M, N] fp32
     trips = -(-groups // groups_per_trip)
-    lanes = F.pad(terms, (0, trips * groups_per_trip - groups)).reshape(m, n, trips, groups_per_trip)
-    accumulated = lanes[:, :, 0]
+    lanes = F.pad(terms, (0, 0, 0, 0, 0, trips * groups_per_trip - groups)).reshape(trips, groups_per_trip, m, n)
+    accumulated = lanes[0]
     for trip in range(1, trips):  # the lanes add their trips in order
-        accumulated = accumulated + lanes[:, :, trip]
-    total = np.sum(accumulated.contiguous().numpy(), axis=-1)
+        accumulated = accumulated + lanes[trip]
+    total = np.sum(accumulated.permute(1, 2, 0).contiguous().numpy(), axis=-1)  # across the lanes, as NumPy sums
     return torch.from_numpy(total).to(torch.bfloat16)
 
 

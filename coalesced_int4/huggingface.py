@@ -9,7 +9,10 @@ quantizer. Each of those steps admits only what torchao's allowlists name, so ``
 - ``torchao.core.config.ALLOWED_AO_MODULES`` gets ``coalesced_int4``, where ``Int4Config``
   (and the ``QuantizeReport`` it carries) are found by name;
 - ``torchao.prototype.safetensors.safetensors_utils.ALLOWED_CLASSES`` and
-  ``ALLOWED_TENSORS_SUBCLASSES`` get ``CudaCoalescedInt4Tensor``.
+  ``ALLOWED_TENSORS_SUBCLASSES`` get ``CudaCoalescedInt4Tensor``, built by
+  ``CudaCoalescedInt4Tensor.from_stored``, which reads a shard's shape from its stored tensors
+  (transformers' tensor-parallel loading, ``tp_plan``, slices each stored tensor and keeps the
+  whole weight's metadata).
 
 transformers' torchao quantizer also lists the stored suffixes of a quantized weight it
 collects when loading (``serialized_names``: ``_weight_qdata``, ``_weight_scale``, ...); ours
@@ -42,7 +45,7 @@ def register() -> None:
     """Add this package to torchao's allowlists and transformers' stored suffixes (idempotent)."""
     torchao_config.ALLOWED_AO_MODULES.add("coalesced_int4")
     name = CudaCoalescedInt4Tensor.__name__
-    safetensors_utils.ALLOWED_CLASSES[name] = CudaCoalescedInt4Tensor
+    safetensors_utils.ALLOWED_CLASSES[name] = CudaCoalescedInt4Tensor.from_stored
     if name not in safetensors_utils.ALLOWED_TENSORS_SUBCLASSES:
         safetensors_utils.ALLOWED_TENSORS_SUBCLASSES.append(name)
     if TRANSFORMERS_TORCHAO_QUANTIZER in sys.modules:

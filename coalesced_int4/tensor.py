@@ -10,9 +10,12 @@ Ops it handles (the table below is complete):
   (``coalesced_int4.dispatch``);
 * ``detach``, ``alias``, ``clone``, ``contiguous``, ``_to_copy`` (``.to(device)``), ``copy_``
   between tensors of equal metadata: applied to the five stored tensors (torchao's defaults);
-* ``slice`` (so ``narrow`` too) along N at any row range, and along K from a multiple of 256
-  to a multiple of 256 or K's end, returning views, so tensor parallelism can shard a weight
-  in place.
+* ``slice`` (so ``narrow`` too), ``split`` and ``split_with_sizes`` (so ``chunk`` too) along
+  N at any row, and along K from a multiple of 256 to a multiple of 256 or K's end, returning
+  views; ``cat`` along N, or along K where every part but the last holds whole super-blocks;
+  ``view`` as its own shape; ``t``: a ``TransposedInt4Weight`` (``transposed.py``), which
+  ``mm`` runs as the linear. These are what DTensor sharding (tensor parallelism) asks of a
+  weight.
 
 Any other op raises ``NotImplementedError`` naming it and pointing at ``dequantize()``.
 """
@@ -20,6 +23,7 @@ Any other op raises ``NotImplementedError`` naming it and pointing at ``dequanti
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import List, Optional
 
 import torch
@@ -118,6 +122,36 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
         )
 
     @classmethod
+    def from_stored(cls, qdata, scale, scale_step, zero_point, zero_point_step, block_size: List[int],
+                    shape, activation_dtype: Optional[torch.dtype] = None) -> "CudaCoalescedInt4Tensor":
+        """The tensor of a checkpoint's stored tensors and metadata (how torchao's safetensors
+        loading, and so transformers', builds it). transformers' tensor-parallel loading hands
+        each rank its shard of every stored tensor, sliced along the weight's sharded dimension,
+        with the whole weight's metadata: the shape is then the shard's, read from the stored
+        tensors. Raises where they disagree with each other (a shard of K that splits a
+        super-block), or where a shard of K cannot be told from padding (K is not a multiple of
+        256, so the last shard holds the padding)."""
+        stored = PackedInt4(qdata, scale, scale_step, zero_point, zero_point_step)
+        n, k = shape
+        rows = {t.shape[0] for t in stored}
+        columns = {2 * qdata.shape[1], GROUP_SIZE * scale.shape[1], GROUP_SIZE * zero_point.shape[1],
+                   SUPER_BLOCK * scale_step.shape[1], SUPER_BLOCK * zero_point_step.shape[1]}
+        if len(rows) != 1 or len(columns) != 1:
+            raise ValueError(
+                f"the stored tensors of a ({n}, {k}) quantized weight disagree on its rows {sorted(rows)} or "
+                f"columns {sorted(columns)}: a shard of K must hold whole super-blocks of {SUPER_BLOCK}"
+            )
+        (local_n,), (local_stored_k,) = rows, columns
+        if local_stored_k != stored_k(k):
+            if local_stored_k > stored_k(k) or k % SUPER_BLOCK:
+                raise ValueError(
+                    f"a ({n}, {k}) quantized weight's stored tensors hold {local_stored_k} columns: a shard of K "
+                    f"is taken only where K is a multiple of {SUPER_BLOCK} (the last shard would hold the padding)"
+                )
+            k = local_stored_k
+        return cls(*stored, block_size=block_size, shape=torch.Size((local_n, k)), activation_dtype=activation_dtype)
+
+    @classmethod
     def from_float(
         cls,
         weight: torch.Tensor,
@@ -202,16 +236,23 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._quantization_type()})"
 
+    SUPPORTED_OPS = ("linear, detach, alias, clone, contiguous, _to_copy (.to), copy_, slice/narrow/split/chunk, "
+                     "cat, view as its own shape, t")
+    """What ``__torch_dispatch__``'s refusal lists."""
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        table = cls._ATEN_OP_TABLE[cls]
-        if func not in table:
-            raise NotImplementedError(
-                f"{cls.__name__} does not implement {func}; supported: linear, detach, "
-                "alias, clone, contiguous, _to_copy (.to), copy_, slice/narrow. "
-                "Call .dequantize() for a dense tensor first."
-            )
-        return table[func](func, types, args, kwargs or {})
+        return dispatch_from_table(cls, func, types, args, kwargs)
+
+
+def dispatch_from_table(cls, func, types, args, kwargs):
+    """Run ``func`` from the class's ``implements`` table, or raise naming it, the class's
+    ``SUPPORTED_OPS`` and ``dequantize()``."""
+    table = cls._ATEN_OP_TABLE[cls]
+    if func not in table:
+        raise NotImplementedError(f"{cls.__name__} does not implement {func}; supported: {cls.SUPPORTED_OPS}. "
+                                  "Call .dequantize() for a dense tensor first.")
+    return table[func](func, types, args, kwargs or {})
 
 
 _SOURCE_STATE = "_coalesced_int4_source"
@@ -239,41 +280,140 @@ def _linear(func, types, args, kwargs):
     return quantized_linear(x, weight, kwargs.get("bias", bias))
 
 
+def _with_tensors(weight: CudaCoalescedInt4Tensor, packed, shape) -> CudaCoalescedInt4Tensor:
+    """A tensor of ``weight``'s kind (block size, activation dtype) on other stored tensors."""
+    return CudaCoalescedInt4Tensor(*packed, block_size=weight.block_size, shape=torch.Size(shape),
+                                   activation_dtype=weight.activation_dtype)
+
+
+def _rows(weight: CudaCoalescedInt4Tensor, start: int, end: int) -> CudaCoalescedInt4Tensor:
+    """Rows ``[start, end)`` (any range of N), a view."""
+    return _with_tensors(weight, (t[start:end] for t in weight.packed), (end - start, weight.shape[1]))
+
+
+def _columns(weight: CudaCoalescedInt4Tensor, start: int, end: int) -> CudaCoalescedInt4Tensor:
+    """Columns ``[start, end)`` of K, a view: whole super-blocks, from a multiple of 256 to a
+    multiple of 256 or K's end (the only ranges whose steps and padding the format holds)."""
+    n, k = weight.shape
+    if start % SUPER_BLOCK or (end % SUPER_BLOCK and end != k):
+        raise NotImplementedError(
+            f"{type(weight).__name__} takes K from a multiple of {SUPER_BLOCK} to a multiple of "
+            f"{SUPER_BLOCK} or K's end, got [{start}, {end}) of K={k}"
+        )
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        per_column = stored_k(k) // t.shape[1]  # 2 for qdata, 32 for codes, 256 for steps
+        return t[:, start // per_column : stored_k(end) // per_column]
+
+    return _with_tensors(weight, map(take, weight.packed), (n, end - start))
+
+
+def _part(weight: CudaCoalescedInt4Tensor, dim: int, start: int, end: int) -> CudaCoalescedInt4Tensor:
+    return _rows(weight, start, end) if dim % 2 == 0 else _columns(weight, start, end)
+
+
 @implements(aten.slice.Tensor)
 def _slice(func, types, args, kwargs):
     weight, dim, start, end, step = fill_defaults(args, 5, [0, None, None, 1])
-    n, k = weight.shape
-    dim = dim % 2
     start, end, _ = slice(start, end).indices(weight.shape[dim])
     if step != 1:
         raise NotImplementedError(
             f"{type(weight).__name__} slices with step 1 only, got step={step}"
         )
+    return return_and_correct_aliasing(func, args, kwargs, _part(weight, dim, start, end))
+
+
+def _sections(weight: CudaCoalescedInt4Tensor, sizes, dim: int) -> list:
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    if bounds[-1] != weight.shape[dim]:
+        raise RuntimeError(f"split sizes {list(sizes)} do not add up to {weight.shape[dim]} (dimension {dim})")
+    return [_part(weight, dim, start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+@implements(aten.split.Tensor)
+def _split(func, types, args, kwargs):
+    weight, size, dim = fill_defaults(args, 3, [0])
+    length = weight.shape[dim]
+    sizes = [min(size, length - start) for start in range(0, length, size)] or [0]
+    return _sections(weight, sizes, dim)
+
+
+@implements(aten.split_with_sizes.default)
+def _split_with_sizes(func, types, args, kwargs):
+    weight, sizes, dim = fill_defaults(args, 3, [0])
+    return _sections(weight, sizes, dim)
+
+
+@implements(aten.cat.default)
+def _cat(func, types, args, kwargs):
+    """Weights joined along N (equal K), or along K where every part but the last holds whole
+    super-blocks (a part's padding can only be at the end of the whole)."""
+    weights, dim = fill_defaults(args, 2, [0])
+    first = weights[0]
+    kinds = {(type(w), tuple(w.block_size), w.activation_dtype, w.device) for w in weights}
+    if len(kinds) != 1:
+        raise NotImplementedError(f"cat of quantized weights needs one kind (class, block size, activation "
+                                  f"dtype, device), got {sorted(map(str, kinds))}")
+    dim = dim % 2
     if dim == 0:
-        new_shape = (end - start, k)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[start:end]
-
+        if len({w.shape[1] for w in weights}) != 1:
+            raise RuntimeError(f"cat along N needs equal K, got {[tuple(w.shape) for w in weights]}")
+        shape = (sum(w.shape[0] for w in weights), first.shape[1])
     else:
-        if start % SUPER_BLOCK or (end % SUPER_BLOCK and end != k):
-            raise NotImplementedError(
-                f"{type(weight).__name__} slices K from a multiple of {SUPER_BLOCK} to a multiple of "
-                f"{SUPER_BLOCK} or K's end, got [{start}, {end}) of K={k}"
-            )
-        new_shape = (n, end - start)
+        if len({w.shape[0] for w in weights}) != 1:
+            raise RuntimeError(f"cat along K needs equal N, got {[tuple(w.shape) for w in weights]}")
+        if any(w.shape[1] % SUPER_BLOCK for w in weights[:-1]):
+            raise NotImplementedError(f"cat along K needs every part but the last to hold whole super-blocks of "
+                                      f"{SUPER_BLOCK}, got K = {[w.shape[1] for w in weights]}")
+        shape = (first.shape[0], sum(w.shape[1] for w in weights))
+    packed = (torch.cat(parts, dim=dim) for parts in zip(*(w.packed for w in weights)))
+    return _with_tensors(first, packed, shape)
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            per_column = stored_k(k) // t.shape[1]  # 2 for qdata, 32 for codes, 256 for steps
-            return t[:, start // per_column : stored_k(end) // per_column]
 
-    result = CudaCoalescedInt4Tensor(
-        *map(take, weight.packed),
-        block_size=weight.block_size,
-        shape=torch.Size(new_shape),
-        activation_dtype=weight.activation_dtype,
+@implements(aten.t.default)
+def _t(func, types, args, kwargs):
+    from coalesced_int4.transposed import TransposedInt4Weight  # which imports this module
+
+    return TransposedInt4Weight.of(args[0])  # another class: aliasing is not tracked across classes
+
+
+_c10d = torch.ops._c10d_functional
+
+
+@implements([_c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default, _c10d._wrap_tensor_autograd.default])
+def _gather(func, types, args, kwargs):
+    """The collectives DTensor runs to gather a sharded weight (``full_tensor()``, a
+    redistribution to ``Replicate``; the wait and the autograd wrapper are identities), run on
+    each stored tensor. An all-gather concatenates along N, the first dimension of all five;
+    DTensor gathers a shard of K that way too, then chunks it along N and joins the chunks
+    along K (``split``, ``cat``)."""
+    weight, *rest = args
+    packed = [func(t, *rest, **kwargs) for t in weight.packed]
+    return _with_tensors(weight, packed, (packed[0].shape[0], weight.shape[1]))
+
+
+@implements(aten.empty_like.default)
+def _empty_like(func, types, args, kwargs):
+    raise NotImplementedError(
+        f"{type(args[0]).__name__} does not implement {func}: a quantized weight has no uninitialised form. "
+        "DTensor asks for one to scatter a weight from one rank; every rank holds the same quantized weights, "
+        "so shard without communication: parallelize_module(..., src_data_rank=None) or "
+        "distribute_tensor(..., src_data_rank=None)."
     )
-    return return_and_correct_aliasing(func, args, kwargs, result)
+
+
+@implements(aten.view.default)
+def _view(func, types, args, kwargs):
+    weight, shape = args[0], list(args[1])
+    if -1 in shape:
+        rest = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = weight.numel() // rest if rest else 0
+    if torch.Size(shape) != weight.shape:
+        raise NotImplementedError(f"{type(weight).__name__} views only as its own shape {tuple(weight.shape)}, "
+                                  f"got {tuple(args[1])}: the format has no other layout")
+    return return_and_correct_aliasing(func, args, kwargs, _with_tensors(weight, weight.packed, weight.shape))
 
 
 torch.serialization.add_safe_globals([CudaCoalescedInt4Tensor])

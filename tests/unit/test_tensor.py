@@ -136,7 +136,77 @@ def test_a_k_off_the_super_blocks_is_stored_padded_and_sliced_to_its_end():
         tail[:, :300]
 
 
-@pytest.mark.parametrize("op", [lambda w: w + 1, lambda w: w.t(), lambda w: w.sum(), lambda w: w @ w.new_ones(768)])
+def test_split_and_chunk_take_n_at_any_row_and_k_at_super_blocks_as_views(weight):
+    dense = weight.dequantize()
+    rows = weight.chunk(3, dim=0)
+    assert [r.shape[0] for r in rows] == [32, 32, 32]
+    assert all(torch.equal(r.dequantize(), d) for r, d in zip(rows, dense.chunk(3, dim=0)))
+    columns = weight.split([256, 512], dim=1)
+    assert all(torch.equal(c.dequantize(), d) for c, d in zip(columns, dense.split([256, 512], dim=1)))
+    assert rows[1].qdata.untyped_storage().data_ptr() == weight.qdata.untyped_storage().data_ptr()
+    uneven = weight.split(40, dim=0)
+    assert [u.shape[0] for u in uneven] == [40, 40, 16]
+    with pytest.raises(NotImplementedError, match=r"got \[0, 300\) of K=768"):
+        weight.split(300, dim=1)
+
+
+def test_cat_rejoins_parts_bit_for_bit_along_n_and_along_k():
+    weight = CudaCoalescedInt4Tensor.from_float(random_weight(64, 576, seed=4))  # K stored padded to 768
+    assert _same_bits(torch.cat(weight.chunk(2, dim=0), dim=0), weight)
+    joined = torch.cat(weight.split([512, 64], dim=1), dim=1)
+    assert joined.shape == (64, 576) and _same_bits(joined, weight)
+    with pytest.raises(NotImplementedError, match="every part but the last to hold whole super-blocks"):
+        torch.cat([weight, weight[:, :256]], dim=1)
+    with pytest.raises(RuntimeError, match="cat along N needs equal K"):
+        torch.cat([weight, weight[:, :256]], dim=0)
+
+
+def test_a_view_is_as_its_own_shape_only(weight):
+    assert _same_bits(weight.view(96, 768), weight) and weight.view(-1, 768).shape == (96, 768)
+    with pytest.raises(NotImplementedError, match="views only as its own shape"):
+        weight.view(768, 96)
+
+
+def test_the_transpose_runs_the_linear_through_mm_and_addmm(weight):
+    """DTensor writes F.linear(x, w) as mm(x, w.t()) (addmm with a bias)."""
+    from coalesced_int4.transposed import TransposedInt4Weight
+
+    x, bias = torch.randn(3, 768).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    transposed = weight.t()
+    assert isinstance(transposed, TransposedInt4Weight) and transposed.shape == (768, 96)
+    assert torch.equal(transposed.dequantize(), weight.dequantize().t())
+    assert torch.equal(torch.mm(x, transposed), F.linear(x, weight))
+    assert torch.equal(torch.addmm(bias, x, transposed), F.linear(x, weight, bias))
+    assert _same_bits(transposed.t(), weight) and transposed.t().shape == weight.shape
+    with pytest.raises(NotImplementedError, match="TransposedInt4Weight does not implement aten.add"):
+        transposed + 1
+
+
+def test_from_stored_reads_a_shards_shape_from_its_stored_tensors(weight):
+    """transformers' tensor-parallel loading slices each stored tensor and keeps the whole
+    weight's metadata."""
+    build = CudaCoalescedInt4Tensor.from_stored
+    rows = build(*(t[:32] for t in weight.packed), block_size=[1, 32], shape=[96, 768])
+    assert rows.shape == (32, 768) and torch.equal(rows.dequantize(), weight.dequantize()[:32])
+    half = weight[:, 256:512]
+    columns = build(*half.packed, block_size=[1, 32], shape=[96, 768])
+    assert columns.shape == (96, 256) and torch.equal(columns.dequantize(), half.dequantize())
+    assert build(*weight.packed, block_size=[1, 32], shape=[96, 768]).shape == (96, 768)
+    qdata, *rest = weight.packed
+    with pytest.raises(ValueError, match="disagree on its rows"):
+        build(qdata[:, :64], *rest, block_size=[1, 32], shape=[96, 768])  # a shard splitting super-blocks
+    padded = CudaCoalescedInt4Tensor.from_float(random_weight(8, 576))
+    with pytest.raises(ValueError, match="only where K is a multiple of 256"):
+        build(*padded[:, :512].packed, block_size=[1, 32], shape=[8, 576])
+
+
+def test_an_uninitialised_copy_is_refused_naming_how_to_shard(weight):
+    with pytest.raises(NotImplementedError, match="src_data_rank=None"):
+        torch.empty_like(weight)
+
+
+@pytest.mark.parametrize("op", [lambda w: w + 1, lambda w: w.transpose(0, 1), lambda w: w.sum(),
+                                lambda w: w @ w.new_ones(768)])
 def test_other_ops_say_which_op_and_to_dequantize(weight, op):
     with pytest.raises(NotImplementedError, match=r"does not implement aten\..*dequantize\(\)"):
         op(weight)

@@ -12,6 +12,8 @@
 #   eager           eager per-call host cost and eager decoding (bench_eager.py; writes $OUT/eager.md)
 #   hf              Hugging Face generate benchmark (bench_hf.py; HF_BATCHES, HF_LAYERS; writes
 #                   $OUT/hf.md); needs transformers (.whl from device-wheels.sh --hf)
+#   tp              tensor-parallel decode (bench_tp.py) at TP = 1, then TP = $TP_RANKS (default
+#                   2) under torchrun: needs that many GPUs; writes $OUT/tp1.json and tp$TP_RANKS.json
 # Steps that run the performance instruments of tools/perf/ (see its README):
 #   sweep           config sweep of SWEEP_FAMILY (SWEEP_SPLITS, SWEEP_TILES) once per source
 #                   tree in SWEEP_TREES (folders holding coalesced_int4/ and tools/perf/)
@@ -24,7 +26,7 @@
 #                   REDUCE_MS, REDUCE_SPLITS)
 #   decode-profile  a compiled decode step's time per kernel kind
 # Default: tests then gemm.
-#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [defaults] [eager] [hf] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
+#   benchmarks/gpu_checks.sh [tests] [picks] [gemm] [autotune] [decode] [attention] [defaults] [eager] [hf] [tp] [sweep] [ab] [profile] [l2] [reduce] [decode-profile]
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -128,6 +130,11 @@ for step in $steps; do
       timeout "${HF_S:-540}" python benchmarks/bench_hf.py --batches "${HF_BATCHES:-1,4,16}" --layers "${HF_LAYERS:-32}" \
         --json "$out/hf.json" --markdown "$out/hf.md" > "$out/hf.log" 2>&1
       grep -E "^\||^#|Error" "$out/hf.log" | tail -40 ;;
+    tp)
+      timeout "${TP_S:-500}" python benchmarks/bench_tp.py --json "$out/tp1.json" > "$out/tp.log" 2>&1
+      timeout "${TP_S:-500}" torchrun --nproc-per-node "${TP_RANKS:-2}" benchmarks/bench_tp.py \
+        --json "$out/tp${TP_RANKS:-2}.json" >> "$out/tp.log" 2>&1
+      grep -E "^\||^#|Error" "$out/tp.log" | tail -20 ;;
     decode)
       timeout "${DECODE_S:-500}" python benchmarks/bench_decode.py --methods "${DECODE_METHODS:-bf16,ours,torchao}" \
         --batches "${BATCHES:-1,16}" ${DECODE_ROUNDS:+--rounds $DECODE_ROUNDS} --json "$out/decode.json" --markdown "$out/decode.md" \

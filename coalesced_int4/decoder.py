@@ -8,7 +8,8 @@ them quantize. Weights are random and seeded: the model is for measuring speed a
 agreement, not for reading its text.
 
 ``generate(model, prompt, new_tokens)`` runs one prefill step and then one decode step per
-token (greedy); ``decode_step`` is the function to compile.
+token (greedy); ``decode_step`` is the function to compile. ``parallelize(model, mesh)``
+shards its blocks over a device mesh (tensor parallelism), dense or quantized.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, config: DecoderConfig, dtype: torch.dtype, device):
+    def __init__(self, batch: int, kv_heads: int, config: DecoderConfig, dtype: torch.dtype, device):
         super().__init__()
-        shape = (batch, config.n_kv_heads, config.max_seq_len, config.head_dim)
+        shape = (batch, kv_heads, config.max_seq_len, config.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), False)
 
@@ -85,29 +86,31 @@ class Attention(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
+        # The heads this module computes: all of them, or a rank's share (``parallelize``).
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         qkv_dim = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x, rope, mask, positions):
-        c = self.config
+        head_dim = self.config.head_dim
         batch, seq, _ = x.shape
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        q_dim, kv_dim = self.n_heads * head_dim, self.n_kv_heads * head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rope(q.view(batch, seq, c.n_heads, c.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(batch, seq, c.n_kv_heads, c.head_dim), rope).transpose(1, 2)
-        v = v.view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q = apply_rope(q.view(batch, seq, self.n_heads, head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(batch, seq, self.n_kv_heads, head_dim), rope).transpose(1, 2)
+        v = v.view(batch, seq, self.n_kv_heads, head_dim).transpose(1, 2)
         k, v = self.kv_cache.update(positions, k, v)
         if decode_attention.serves(seq, k):
             # The decode step: the causal mask's row is "positions <= positions[0]", which
             # the kernel applies from the position itself.
             out = decode_attention.decode_attention(q[:, :, 0], k, v, positions)
-            return self.wo(out.reshape(batch, seq, c.dim))
+            return self.wo(out.reshape(batch, seq, q_dim))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=c.n_heads != c.n_kv_heads
+            q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
         )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, c.dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, q_dim))
 
 
 class FeedForward(nn.Module):
@@ -161,7 +164,7 @@ class Decoder(nn.Module):
                 cache.k.zero_()
                 cache.v.zero_()
             else:
-                layer.attention.kv_cache = KVCache(batch, c, weight.dtype, weight.device)
+                layer.attention.kv_cache = KVCache(batch, layer.attention.n_kv_heads, c, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) for ``tokens`` (batch, seq) at ``positions`` (seq,); needs
@@ -204,6 +207,44 @@ def build_decoder(
             if param.dim() > 1:
                 param.normal_(0.0, 0.02, generator=generator)
     return model.eval()
+
+
+def parallelize(model: Decoder, mesh) -> Decoder:
+    """Shard ``model``'s blocks over the one-dimensional device mesh ``mesh``, in place
+    (Megatron style, PyTorch's ``parallelize_module``): each rank computes its share of the
+    attention heads and of the MLP's columns (the fused projections column-wise, ``wo`` and
+    ``w2`` row-wise, summed across ranks) and its share of the head's rows (the logits
+    gathered); the embedding and the norms stay whole on every rank. Every rank must hold the
+    same weights, dense or quantized: each cuts its own shard. Call ``setup_cache`` afterwards
+    (each rank caches its own KV heads)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    c, ranks = model.config, mesh.size()
+    if c.n_heads % ranks or c.n_kv_heads % ranks or c.intermediate_size % ranks:
+        raise ValueError(f"{ranks} ranks must divide the heads ({c.n_heads}), the KV heads ({c.n_kv_heads}) and "
+                         f"the MLP's width ({c.intermediate_size})")
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    plan = {"attention.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w13": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    for layer in model.layers:
+        _group_by_rank(layer.attention.wqkv, (q_dim, kv_dim, kv_dim), ranks)
+        _group_by_rank(layer.feed_forward.w13, (c.intermediate_size,) * 2, ranks)
+        parallelize_module(layer, mesh, plan, src_data_rank=None)
+        layer.attention.n_heads //= ranks
+        layer.attention.n_kv_heads //= ranks
+        layer.attention.kv_cache = None
+    parallelize_module(model, mesh, {"output": ColwiseParallel(output_layouts=Replicate())}, src_data_rank=None)
+    return model
+
+
+def _group_by_rank(linear: nn.Linear, sections, ranks: int) -> None:
+    """Reorder a fused projection's rows ``[a | b | c]`` as ``[a0 b0 c0 | a1 b1 c1 | ...]``
+    (``x_r``: rank r's even share of section x), so that a row-wise shard of the whole is each
+    rank's share of every section, in the order the forward splits them."""
+    parts = [part.chunk(ranks, dim=0) for part in linear.weight.detach().split(list(sections), dim=0)]
+    grouped = torch.cat([part[rank] for rank in range(ranks) for part in parts], dim=0)
+    linear.weight = nn.Parameter(grouped, requires_grad=False)
 
 
 def decode_step(model: Decoder, token: torch.Tensor, position: torch.Tensor):

@@ -106,6 +106,22 @@ def _job(rank: int, port: int, directory: str) -> None:
     except NotImplementedError as error:
         found["scatter_refusal"] = str(error)
 
+    # The built-in decoder, quantized, then sharded: a prefill and greedy decode steps.
+    from coalesced_int4.decoder import DecoderConfig, build_decoder, generate, parallelize
+
+    config = DecoderConfig(vocab_size=256, dim=HIDDEN, n_layers=2, n_heads=8, n_kv_heads=4,
+                           intermediate_size=INTERMEDIATE, max_seq_len=32)
+    decoder = build_decoder(config, seed=3)
+    ci4.quantize_(decoder, ci4.int4_config())
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(4))
+    want_tokens, want_logits = generate(decoder, prompt, 4)
+    parallelize(decoder, mesh)
+    tokens, logits = generate(decoder, prompt, 4)
+    found["decoder_local_rows"] = [decoder.layers[0].attention.wqkv.weight.to_local().shape[0],
+                                   decoder.output.weight.to_local().shape[0]]
+    found["decoder_error"] = _relative_error(logits, want_logits)
+    found["decoder_tokens_equal"] = torch.equal(tokens, want_tokens)
+
     # A Hugging Face Llama with tp_plan="auto": a quantized checkpoint sharded at load, and a
     # dense one quantized at load shard by shard.
     ids = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(2))
@@ -175,6 +191,13 @@ def test_a_sharded_model_is_saved_whole_by_rank_0_and_loads_unsharded(findings):
 
 def test_sharding_with_a_scatter_from_one_rank_is_refused_naming_src_data_rank_none(findings):
     assert all("src_data_rank=None" in found["scatter_refusal"] for found in findings)
+
+
+def test_the_built_in_decoder_sharded_after_quantizing_decodes_as_unsharded(findings):
+    head_dim = HIDDEN // 8
+    for found in findings:
+        assert found["decoder_local_rows"] == [(8 + 2 * 4) * head_dim // WORLD, 256 // WORLD]
+        assert found["decoder_error"] <= BF16_TOLERANCE and found["decoder_tokens_equal"]
 
 
 def test_a_hugging_face_llama_with_tp_plan_auto_matches_the_unsharded_quantized_model(findings):

@@ -42,7 +42,7 @@ from coalesced_int4.quantize import (
     stored_k,
 )
 from coalesced_int4.source_hash import source_hash
-from coalesced_int4.torch_internals import return_and_correct_aliasing
+from coalesced_int4.torch_internals import c10d_functional, return_and_correct_aliasing
 
 __all__ = ["CudaCoalescedInt4Tensor"]
 
@@ -379,10 +379,6 @@ def _t(func, types, args, kwargs):
     return TransposedInt4Weight.of(args[0])  # another class: aliasing is not tracked across classes
 
 
-_c10d = torch.ops._c10d_functional
-
-
-@implements([_c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default, _c10d._wrap_tensor_autograd.default])
 def _gather(func, types, args, kwargs):
     """The collectives DTensor runs to gather a sharded weight (``full_tensor()``, a
     redistribution to ``Replicate``; the wait and the autograd wrapper are identities), run on
@@ -392,6 +388,11 @@ def _gather(func, types, args, kwargs):
     weight, *rest = args
     packed = [func(t, *rest, **kwargs) for t in weight.packed]
     return _with_tensors(weight, packed, (packed[0].shape[0], weight.shape[1]))
+
+
+if torch.distributed.is_available():  # the collectives' ops exist where torch has distributed support
+    implements([c10d_functional.all_gather_into_tensor.default, c10d_functional.wait_tensor.default,
+                c10d_functional._wrap_tensor_autograd.default])(_gather)
 
 
 @implements(aten.empty_like.default)

@@ -13,6 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_a
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
+c10d_functional = torch.ops._c10d_functional
+"""The functional collectives' ops (DTensor gathers through them)."""
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device, as the raw handle Triton's launchers take (what
+    Triton itself asks torch for)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
 
 def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` is on the stack (one watches or reroutes the ops run)."""
@@ -22,6 +31,8 @@ def dispatch_mode_active() -> bool:
 __all__ = [
     "TorchDispatchMode",
     "WeakIdKeyDictionary",
+    "c10d_functional",
+    "current_raw_stream",
     "disable_current_modes",
     "dispatch_mode_active",
     "is_fake",

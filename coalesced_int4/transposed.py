@@ -54,12 +54,22 @@ class TransposedInt4Weight(TorchAOBaseTensor):
     @classmethod
     def of(cls, weight: CudaCoalescedInt4Tensor) -> "TransposedInt4Weight":
         n, k = weight.shape
-        return cls(*weight.packed, block_size=weight.block_size, shape=torch.Size((k, n)),
-                   activation_dtype=weight.activation_dtype)
+        transposed = cls(*weight.packed, block_size=weight.block_size, shape=torch.Size((k, n)),
+                         activation_dtype=weight.activation_dtype)
+        # The weight object itself, so that mm reaches the eager plans (keyed by the weight)
+        # that every earlier call of it made, not a new tensor's empty ones.
+        transposed._of = weight
+        return transposed
 
     @property
     def weight(self) -> CudaCoalescedInt4Tensor:
-        """The ``(N, K)`` weight this transposes."""
+        """The ``(N, K)`` weight this transposes: the weight object ``of`` was given, where
+        there is one."""
+        of = getattr(self, "_of", None)
+        return of if of is not None else self.transposed_back()
+
+    def transposed_back(self) -> CudaCoalescedInt4Tensor:
+        """A new ``(N, K)`` weight on the same stored tensors."""
         k, n = self.shape
         return CudaCoalescedInt4Tensor(*(getattr(self, name) for name in self.tensor_data_names),
                                        block_size=self.block_size, shape=torch.Size((n, k)),
@@ -95,7 +105,7 @@ def _addmm(func, types, args, kwargs):
 
 @implements(aten.t.default)
 def _t(func, types, args, kwargs):
-    return args[0].weight  # another class: aliasing is not tracked across classes
+    return args[0].transposed_back()  # another class: aliasing is not tracked across classes
 
 
 @implements(aten.view.default)

@@ -174,6 +174,7 @@ def test_the_transpose_runs_the_linear_through_mm_and_addmm(weight):
     x, bias = torch.randn(3, 768).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
     transposed = weight.t()
     assert isinstance(transposed, TransposedInt4Weight) and transposed.shape == (768, 96)
+    assert transposed.weight is weight  # so mm reaches the eager plans kept for this weight object
     assert torch.equal(transposed.dequantize(), weight.dequantize().t())
     assert torch.equal(torch.mm(x, transposed), F.linear(x, weight))
     assert torch.equal(torch.addmm(bias, x, transposed), F.linear(x, weight, bias))

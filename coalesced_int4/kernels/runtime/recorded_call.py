@@ -40,6 +40,7 @@ import torch
 import triton
 
 from coalesced_int4.kernels.runtime.smem_carveout import FITTER
+from coalesced_int4.torch_internals import current_raw_stream
 
 _recorder: contextvars.ContextVar = contextvars.ContextVar("coalesced_int4_launch_recorder", default=None)
 
@@ -175,7 +176,7 @@ class RecordedCall:
             return None
         device = x.device
         sources = [x, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers)]
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        stream = current_raw_stream(self.device_index)
         for launch in self.launches:
             arguments = list(launch.arguments)
             for position, source in launch.replaced:

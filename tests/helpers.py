@@ -73,13 +73,14 @@ def random_weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16, device="c
     return w.to(dtype).to(device)
 
 
-def packed_weight(n: int, k: int, seed: int = 0, device="cpu"):
-    """The five stored tensors of a quantized Gaussian bf16 weight, and the dense weight."""
+def packed_weight(n: int, k: int, seed: int = 0, device="cpu", qparams: str = "mse"):
+    """The five stored tensors of a quantized Gaussian bf16 weight (``qparams``: the
+    quantizer, ``quantize.QPARAMS``), and the dense weight."""
     from coalesced_int4.quantize import quantize_weight
 
     generator = torch.Generator().manual_seed(seed)
     dense = torch.randn(n, k, generator=generator).to(torch.bfloat16)
-    return tuple(t.to(device) for t in quantize_weight(dense)), dense.to(device)
+    return tuple(t.to(device) for t in quantize_weight(dense, qparams=qparams)), dense.to(device)
 
 
 def dequant_matmul_reference(x, packed):

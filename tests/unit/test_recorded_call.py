@@ -9,19 +9,31 @@ import torch
 
 from coalesced_int4.kernels.runtime import recorded_call
 
+_MEMORY = {}
+"""Address -> tensor of every tensor the tests make (the stand-in launchers take addresses, as
+Triton's do)."""
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    _MEMORY[tensor.data_ptr()] = tensor
+    return tensor
+
 
 class _Launcher:
-    """A compiled kernel's launcher: runs ``compute`` on the kernel arguments."""
+    """A compiled kernel's launcher: runs ``compute`` on the kernel arguments, a tensor passed
+    as itself or as its address."""
 
     num_ctas, global_scratch_size, profile_scratch_size = 1, 0, 0
     launch_cooperative_grid, launch_pdl = False, False
 
     def __init__(self, compute):
         self.compute = compute
+        self.addresses_passed = 0
 
     def launch(self, grid_x, grid_y, grid_z, stream, function, cooperative, dependent, scratch, profile_scratch,
                metadata, launch_metadata, enter_hook, exit_hook, *arguments):
-        self.compute(*arguments)
+        self.addresses_passed += sum(isinstance(a, int) and a in _MEMORY for a in arguments)
+        self.compute(*(_MEMORY.get(a, a) if isinstance(a, int) else a for a in arguments))
 
 
 class _Kernel:
@@ -59,6 +71,7 @@ PRODUCT, DOUBLED = _Kernel(_product), _Kernel(_doubled)
 def _two_kernel_gemm(x, weight, product=PRODUCT, activation=None):
     """A launcher as the GEMMs are written: buffers through ``empty``, launches through
     ``run_kernel``, weights as views."""
+    _kept(x), _kept(weight)
     partial = recorded_call.empty((x.shape[0], weight.shape[0]), torch.float32, x.device)
     out = recorded_call.empty((x.shape[0], weight.shape[0]), torch.float32, x.device)
     recorded_call.run_kernel(product, (2,), x if activation is None else activation, weight[:], partial, x.shape[0])
@@ -70,17 +83,28 @@ def _two_kernel_gemm(x, weight, product=PRODUCT, activation=None):
 def _one_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: _kept(empty(*args, **kwargs)))
 
 
-def test_a_replay_computes_on_its_own_activation_into_fresh_buffers():
+def test_a_replay_computes_on_its_own_activation_into_fresh_buffers_passing_addresses():
     weight, x = torch.randn(5, 8), torch.randn(3, 8)
     out, replay = recorded_call.record(x, (weight,), lambda: _two_kernel_gemm(x, weight))
     assert torch.allclose(out, 2 * x @ weight.t())
     assert replay is not None and len(replay.launches) == 2
-    other = torch.randn(3, 8)
+    other = _kept(torch.randn(3, 8))
+    passed = PRODUCT.compiled.run.addresses_passed
     replayed = replay(other, (weight,))
     assert torch.allclose(replayed, 2 * other @ weight.t())
     assert replayed.data_ptr() != out.data_ptr() and torch.allclose(out, 2 * x @ weight.t())
+    assert PRODUCT.compiled.run.addresses_passed - passed == 3  # x, the weight and the partials
+
+
+def test_a_replay_declines_an_activation_off_the_alignment_kernels_may_assume():
+    weight, x = torch.randn(5, 8), torch.randn(3, 9)
+    aligned = x[:, :8]
+    _, replay = recorded_call.record(aligned, (weight,), lambda: _two_kernel_gemm(aligned, weight))
+    assert replay is not None and replay(x[:, 1:], (weight,)) is None  # 4 bytes past an aligned address
 
 
 def test_a_call_that_passes_anything_but_the_activation_weights_or_its_buffers_is_not_replayed():

@@ -24,10 +24,12 @@ the call cannot be replayed:
 ``RecordedCall(x, weights)`` allocates the buffers again and hands each compiled kernel's
 launcher the recorded arguments with ``x`` and the new buffers in their places, on the current
 stream, after setting the shared memory carveout the recorded launch had (``smem_carveout``):
-the same kernels, grids and arguments, hence the same bits. It returns None, launching
-nothing, where the weights are other tensors than those recorded, the current CUDA device is
-another, or a launch hook is installed (a profiler's, or ``fitted_to_grid`` open in another
-thread): the caller then launches as usual.
+the same kernels, grids and arguments, hence the same bits. Tensor arguments go as their
+addresses, which the launcher takes without asking the driver about each. It returns None,
+launching nothing, where the weights are other tensors than those recorded (or moved), the
+current CUDA device is another, ``x`` is not 16-byte aligned, or a launch hook is installed
+(a profiler's, or ``fitted_to_grid`` open in another thread): the caller then launches as
+usual.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from coalesced_int4.torch_internals import current_raw_stream
 _recorder: contextvars.ContextVar = contextvars.ContextVar("coalesced_int4_launch_recorder", default=None)
 
 _HOOKS = triton.knobs.runtime
+ALIGNMENT = 16
+"""Bytes to which Triton specializes a pointer argument's alignment when it compiles: a replay
+takes only activations aligned so (a kernel recorded on one may assume it)."""
 
 
 def empty(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -142,10 +147,15 @@ class _Recorder:
         arguments = [compiled.packed_metadata, None, None, None]  # launch metadata and hooks: none
         replaced = []
         for value in bound_values:
-            source = self._source(value) if isinstance(value, torch.Tensor) else None
-            if source is not None:
-                replaced.append((len(arguments), source))
-                value = None  # not held: a replay puts its own tensor here
+            if isinstance(value, torch.Tensor):
+                source = self._source(value)
+                if source is not None:
+                    replaced.append((len(arguments), source))
+                # A replay passes addresses: the launcher asks the driver about every tensor
+                # argument (data_ptr and cuPointerGetAttribute), and takes an int as it is.
+                # A weight's address is fixed (the replay holds the weight and checks it is
+                # still the weight's); x's and the buffers' are put in by the replay.
+                value = value.data_ptr() if source is None else None
             arguments.append(value)
         programs = grid[0] * grid[1] * grid[2]
         return _Launch(
@@ -163,31 +173,39 @@ class RecordedCall:
 
     device_index: int
     weights: Tuple[torch.Tensor, ...]
-    """The weight tensors recorded (replays check they are still the weight's)."""
+    """The weight tensors recorded (replays check they are still the weight's, at the same
+    addresses: the launches hold those addresses)."""
+    weight_addresses: Tuple[int, ...]
     buffers: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
     result: int
-    """The buffer returned."""
+    """The index of the buffer returned."""
     launches: Tuple[_Launch, ...]
 
     def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         if _HOOKS.launch_enter_hook.calls or _HOOKS.launch_exit_hook.calls:
             return None
-        if any(a is not b for a, b in zip(weights, self.weights)) or torch.cuda.current_device() != self.device_index:
+        if (any(a is not b or a.data_ptr() != address for a, b, address in zip(weights, self.weights,
+                                                                                 self.weight_addresses))
+                or torch.cuda.current_device() != self.device_index):
+            return None
+        address = x.data_ptr()
+        if address % ALIGNMENT:  # the kernels may be specialized for aligned pointers
             return None
         device = x.device
-        sources = [x, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers)]
+        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+        addresses = [address, *(buffer.data_ptr() for buffer in buffers)]
         stream = current_raw_stream(self.device_index)
         for launch in self.launches:
             arguments = list(launch.arguments)
             for position, source in launch.replaced:
-                arguments[position] = sources[source]
+                arguments[position] = addresses[source]
             scratch = torch.empty(launch.scratch_bytes, dtype=torch.int8, device=device) if launch.scratch_bytes \
                 else None
             if launch.carveout is not None:
                 FITTER.set(launch.function, launch.carveout)
             launch.launch(*launch.grid, stream, launch.function, launch.cooperative, launch.dependent,
-                          scratch, None, *arguments)
-        return sources[self.result]
+                          None if scratch is None else scratch.data_ptr(), None, *arguments)
+        return buffers[self.result]
 
 
 def record(x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -204,7 +222,7 @@ def record(x: torch.Tensor, weights: Sequence[torch.Tensor],
         return result, None
     return result, RecordedCall(
         device_index=torch.cuda.current_device(),
-        weights=tuple(weights),
+        weights=tuple(weights), weight_addresses=tuple(w.data_ptr() for w in weights),
         buffers=tuple((tuple(b.shape), b.dtype) for b in recorder.buffers),
-        result=results[0] + 1, launches=tuple(recorder.launches),
+        result=results[0], launches=tuple(recorder.launches),
     )

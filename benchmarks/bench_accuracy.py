@@ -147,7 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 @torch.no_grad()
 def w4a8_against_w4a16(model, dense, tokenizer, text: str) -> List[str]:
     """Per quantized layer of ``model``, on its captured inputs: the decode kernel's output
-    error (``accuracy.w4a8_linear``, one row at a time as decoding runs it) and the bf16-chain
+    error (``accuracy.w4a8_linear``: its rows are independent, so all of a layer's rows in one
+    call give each the bits of one row at a time, as decoding runs it) and the bf16-chain
     output of the W4A16 kernels, each against the dense weight's exact output."""
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :64].to(model.device)
     inputs = accuracy.linear_inputs(model, ids, accuracy.quantized_linears(model))
@@ -158,7 +159,7 @@ def w4a8_against_w4a16(model, dense, tokenizer, text: str) -> List[str]:
         reference = dense.get_submodule(name).weight.float().cpu()
         exact = x.float() @ reference.t()
         w4a16 = (x.float() @ dequantize_packed(weight.packed, torch.bfloat16)[:, : x.shape[1]].float().t())
-        w4a8 = torch.cat([accuracy.w4a8_linear(row[None], weight).float() for row in x])
+        w4a8 = accuracy.w4a8_linear(x, weight).float()
         ratios.append(float((w4a8 - exact).norm() / (w4a16.to(torch.bfloat16).float() - exact).norm()))
     return ["", "| W4A8 (decode) output error / W4A16's, per layer | mean | worst |", "|---|---|---|",
             f"| on the text's activations, {len(ratios)} layers | {statistics.mean(ratios):.3f} | {max(ratios):.3f} |"]

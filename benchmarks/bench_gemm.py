@@ -228,15 +228,18 @@ def environment_stamp() -> str:
                 commit += " (uncommitted changes)"
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    return (f"{device}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"commit {commit}")
+    return f"{device_name()}, torch {torch.__version__}, triton {triton.__version__}, commit {commit}"
+
+
+def device_name() -> str:
+    """The GPU a measurement ran on, or the CPU where there is none."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
 
 
 def write_json(path: str, **content) -> None:
-    """``content`` as JSON, with the GPU and torch version it was measured on."""
+    """``content`` as JSON, with the device and torch version it was measured on."""
     with open(path, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **content}, handle, indent=1)
+        json.dump({"device": device_name(), "torch": torch.__version__, **content}, handle, indent=1)
 
 
 def write_markdown(path: str, table: List[str]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from typing import List, Optional
 
 import torch
@@ -196,7 +197,7 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     # ------------------------------------------------------------------ views of the data
     @property
     def packed(self) -> PackedInt4:
-        return PackedInt4(*(getattr(self, name) for name in self.tensor_data_names))
+        return PackedInt4._make(_STORED_TENSORS(self))
 
     @property
     def group_size(self) -> int:
@@ -268,6 +269,9 @@ def _setstate_without_source(self, state: dict) -> None:
 
 
 CudaCoalescedInt4Tensor.__setstate__ = _setstate_without_source
+_STORED_TENSORS = operator.attrgetter(*CudaCoalescedInt4Tensor.tensor_data_names)
+"""A weight's stored tensors in order, read in one C call (``packed`` is read on every eager
+call)."""
 
 implements = CudaCoalescedInt4Tensor.implements
 implements_torch_function = CudaCoalescedInt4Tensor.implements_torch_function
@@ -276,8 +280,8 @@ implements_torch_function = CudaCoalescedInt4Tensor.implements_torch_function
 @implements(aten.linear.default)
 @implements_torch_function([F.linear, aten.linear, aten.linear.default])
 def _linear(func, types, args, kwargs):
-    x, weight, bias = fill_defaults(args, 3, [None])
-    return quantized_linear(x, weight, kwargs.get("bias", bias))
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return quantized_linear(args[0], args[1], bias)
 
 
 def _with_tensors(weight: CudaCoalescedInt4Tensor, packed, shape) -> CudaCoalescedInt4Tensor:

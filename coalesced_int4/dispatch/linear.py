@@ -6,12 +6,15 @@
    ``INT4_QUANTIZED_GEMM`` whose op supports the arguments is called: a static ``M`` within
    ``[1, bucket]``, or a symbolic ``M`` provably so. In plain eager use (a real CUDA input,
    not compiling, no dispatch mode watching) the choice is made once per weight and
-   activation signature (rows, dtype, device, strides, storage offset) with the launch
-   parameters it runs with (``EagerPlan``); its first call is recorded and later calls
-   replay those launches (``recorded_call``: no op dispatch, second validation, launch
-   decision or Triton launcher in the way). The plan's launch parameters are decided, and
-   its call recorded, again once tuning changes a pick. While tuning is on, calls take the
-   op.
+   activation signature (shape, dtype, device, strides, storage offset) with the launch
+   parameters it runs with (``EagerPlan``, ``int4_gemm.eager_launch``: one launch wherever
+   the GPU runs it unsplit within the host time of a call, since each further launch costs
+   every call host time; else the pick or the default rule); its first call is recorded and
+   later calls replay those launches (``recorded_call``: no op dispatch, second validation,
+   launch decision or Triton launcher in the way). A CUDA graph captured from eager calls
+   holds those same launches, so it gives eager's bits. The plan's launch parameters are
+   decided, and its call recorded, again once tuning changes a pick. While tuning is on,
+   calls take the op.
 3. Otherwise the weight is dequantized exactly (fp32), rounded once to the activation dtype
    and multiplied with ``F.linear``, in chunks of 32,768 rows above 65,536 rows so a huge
    ``lm_head`` never builds a multi-GiB dense temporary. (Rounding every step of the
@@ -22,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -32,7 +36,7 @@ from coalesced_int4.kernels.ops import int4_gemm
 from coalesced_int4.kernels.ops.int4_gemm import INT4_QUANTIZED_GEMM
 from coalesced_int4.kernels.runtime import recorded_call
 from coalesced_int4.quantize import PackedInt4, dequantize_packed
-from coalesced_int4.torch_internals import WeakIdKeyDictionary, dispatch_mode_active, is_fake
+from coalesced_int4.torch_internals import dispatch_mode_active, is_fake
 
 DEQUANT_N_THRESHOLD = 65_536
 DEQUANT_N_CHUNK = 32_768
@@ -90,8 +94,36 @@ class _WeightPlans:
         self.plans = {}
 
 
-_EAGER_PLANS = WeakIdKeyDictionary()
-"""weight -> _WeightPlans; a weight's plans go with it."""
+class _PlansByWeight:
+    """weight -> ``_WeightPlans``, by identity; an entry goes with its weight. (torch's
+    ``WeakIdKeyDictionary`` builds a weak reference on every lookup, a microsecond of every
+    eager call.)"""
+
+    def __init__(self):
+        self._entries = {}  # id(weight) -> (weak reference to the weight, its plans)
+
+    def get(self, weight) -> Optional[_WeightPlans]:
+        item = self._entries.get(id(weight))
+        return item[1] if item is not None and item[0]() is weight else None
+
+    def __getitem__(self, weight) -> _WeightPlans:
+        entry = self.get(weight)
+        if entry is None:
+            raise KeyError(f"no eager plans for this {type(weight).__name__}")
+        return entry
+
+    def add(self, weight) -> _WeightPlans:
+        key, entries = id(weight), self._entries
+
+        def forget(reference):  # the weight is going: its entry too, unless a newer one took its id
+            if entries.get(key, (None,))[0] is reference:
+                del entries[key]
+
+        entries[key] = (weakref.ref(weight, forget), _WeightPlans(weight))
+        return entries[key][1]
+
+
+_EAGER_PLANS = _PlansByWeight()
 
 
 def _plain_eager(x: torch.Tensor) -> bool:
@@ -102,41 +134,41 @@ def _plain_eager(x: torch.Tensor) -> bool:
 
 
 def _eager_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    entry = _EAGER_PLANS.get(weight)
-    if entry is None:
-        entry = _EAGER_PLANS[weight] = _WeightPlans(weight)
-    check_activation(x, entry.k)
-    x_2d = x if x.dim() == 2 else x.reshape(-1, entry.k)
-    out = _eager_linear_2d(x_2d, weight, entry)
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], entry.n)
-
-
-def _eager_linear_2d(x_2d: torch.Tensor, weight, entry: _WeightPlans) -> torch.Tensor:
-    signature = (x_2d.shape[0], x_2d.dtype, x_2d.device, x_2d.stride(), x_2d.storage_offset())
+    """``quantized_linear`` of a plain eager ``x`` of any rank: the plan of ``x``'s signature
+    (shape, dtype, device, strides, storage offset) decided once, its replay given ``x``
+    itself and returning the output in its final shape (no reshape on either side)."""
+    entry = _EAGER_PLANS.get(weight) or _EAGER_PLANS.add(weight)
+    signature = (x.shape, x.dtype, x.device, x.stride(), x.storage_offset())
     plan = entry.plans.get(signature)
     packed = weight.packed
-    if plan is None:  # the rule, once per signature
-        bucket = select_bucket(x_2d, (*packed, weight.group_size))
-        launch_params = None if bucket is None else int4_gemm.decided_launch(bucket, x_2d, *packed)
-        plan = entry.plans[signature] = EagerPlan(bucket, launch_params, generation())
-    elif plan.bucket is not None and plan.generation != generation():
-        plan = entry.plans[signature] = EagerPlan(plan.bucket, int4_gemm.decided_launch(plan.bucket, x_2d, *packed),
-                                                  generation())
-    if plan.bucket is None:
-        return dequant_linear(x_2d, packed, entry.k)
-    if plan.replay is not None:
-        out = plan.replay(x_2d, packed)
+    if plan is not None and plan.replay is not None and plan.generation == generation():
+        out = plan.replay(x, packed)
         if out is not None:
             return out
+    if plan is None:  # the rule, once per signature
+        check_activation(x, entry.k)
+        x_2d = x.reshape(-1, entry.k)
+        bucket = select_bucket(x_2d, (*packed, weight.group_size))
+        launch_params = None if bucket is None else int4_gemm.eager_launch(bucket, x_2d, *packed)
+        plan = entry.plans[signature] = EagerPlan(bucket, launch_params, generation())
+    else:
+        x_2d = x.reshape(-1, entry.k)
+        if plan.bucket is not None and plan.generation != generation():  # a new pick
+            plan = entry.plans[signature] = EagerPlan(
+                plan.bucket, int4_gemm.eager_launch(plan.bucket, x_2d, *packed), generation())
+    out_shape = (*x.shape[:-1], entry.n)
+    if plan.bucket is None:
+        return dequant_linear(x_2d, packed, entry.k).reshape(out_shape)
 
     def launch():
         return int4_gemm.launch_decided(plan.bucket, x_2d, packed, plan.launch_params)
 
     if plan.replay is None and plan.recordings < RECORDINGS:
         plan.recordings += 1
-        out, plan.replay = recorded_call.record(x_2d, packed, launch)
-        return out
-    return launch()
+        out, plan.replay = recorded_call.record(x, packed, launch, launched_x=x_2d, result_shape=out_shape)
+    else:
+        out = launch()
+    return out.reshape(out_shape)
 
 
 def check_activation(x: torch.Tensor, k: int) -> None:

@@ -433,31 +433,65 @@ def test_export_with_a_dynamic_m_picks_the_covering_bucket(low, high, bucket):
     assert ops == ([] if bucket is None else [f"coalesced_int4.int4_quantized_gemm_m{bucket}.default"])
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_plain_eager_calls_launch_what_the_op_launches_and_follow_a_new_pick(m):
-    """Eager F.linear runs from its plan (decided once per signature, no op dispatch): the
-    bits of the op itself with the same launch parameters; once tuning picks, the plan
-    launches the pick."""
+@pytest.mark.parametrize("m, k", [(1, 2048), (4, 2048), (16, 2048), (16, 8192)])
+def test_plain_eager_calls_run_their_launch_and_record_it_again_after_a_new_pick(m, k):
+    """Eager F.linear runs from its plan (decided once per signature, no op dispatch): one
+    launch where unsplit programs are short (K = 2048: no split-K or separate activation
+    quantization, although the default rule splits 1024 rows on a GPU of 100 SMs or more),
+    else the launch the op decides (W4A16 at K = 8192); the bits of the op's own launch at
+    those parameters; once tuning picks, the plan is decided and recorded again."""
     from coalesced_int4.dispatch.linear import _EAGER_PLANS
+    from coalesced_int4.kernels.ops import int4_gemm
+    from coalesced_int4.kernels.ops.configs import eager_one_launch
 
     clear_launch_param_cache()
-    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(1024, 2048, device="cuda"))
-    x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
+    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(1024, k, device="cuda"))
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     bucket = next(b for b in SUPPORTED_BUCKETS if b >= m)
+    family = "w4a8" if bucket in W4A8_BUCKETS else "w4a16"
+    one = eager_one_launch(k, family)
+    assert one == (k == 2048)
     first = F.linear(x, weight)
     (plan,) = _EAGER_PLANS[weight].plans.values()
-    assert plan.bucket == bucket
-    op = INT4_QUANTIZED_GEMM.op(bucket)(x, *weight.packed, 32)  # outside tuning: the same default
-    assert torch.equal(first, op) and torch.equal(F.linear(x, weight), first)
-    assert plan.replay is not None  # recorded: later calls replay it
-    x = _x(m, 2048)
-    assert torch.equal(F.linear(x, weight), INT4_QUANTIZED_GEMM.op(bucket)(x, *weight.packed, 32))
+    expected = ({"split_k": 1, **({"prequantize": False} if family == "w4a8" else {"balanced": False})} if one
+                else int4_gemm.decided_launch(bucket, x, *weight.packed))
+    assert plan.bucket == bucket and plan.launch_params == expected
+    assert torch.equal(first, launch(bucket, x, *weight.packed, 32, **expected))
+    assert torch.equal(F.linear(x, weight), first)
+    assert plan.replay is not None and len(plan.replay.launches) == (1 if one else 1 + (expected["split_k"] > 1))
+    x = _x(m, k)
+    assert torch.equal(F.linear(x, weight), launch(bucket, x, *weight.packed, 32, **expected))
     with autotune_launch_params() as stats:
-        tuned = F.linear(x, weight)
-    assert torch.equal(F.linear(x, weight), tuned)
+        F.linear(x, weight)  # the op, tuning: a pick for this shape
+    picked = {name: value for name, value in stats.choices[-1].items() if name in expected}
+    after = F.linear(x, weight)
     (plan,) = _EAGER_PLANS[weight].plans.values()
-    assert plan.launch_params == {k: v for k, v in stats.choices[-1].items() if k in plan.launch_params}
+    assert plan.launch_params == (expected if one else picked)
+    assert torch.equal(after, launch(bucket, x, *weight.packed, 32, **plan.launch_params))
     clear_launch_param_cache()
+
+
+def test_eager_calls_on_three_dimensional_activations_replay_into_the_output_shape():
+    """A 3-D activation whose rows flatten to a view replays with the activation itself and
+    returns (*lead, N) directly, with the flattened launch's bits; one whose flattening
+    copies (transposed leading dimensions) is never replayed and stays exact."""
+    from coalesced_int4.dispatch.linear import _EAGER_PLANS
+
+    weight = CudaCoalescedInt4Tensor.from_float(torch.randn(1024, 2048, device="cuda"))
+    packed = weight.packed
+    for lead in ((1, 1), (2, 3)):
+        viewable = torch.randn(*lead, 2048, dtype=torch.bfloat16, device="cuda")
+        copied = torch.randn(lead[1], lead[0], 2048, dtype=torch.bfloat16, device="cuda").transpose(0, 1)
+        for x in (viewable, copied):
+            for _ in range(3):
+                out = F.linear(x, weight)
+            rows = x.reshape(-1, 2048)
+            bucket = next(b for b in SUPPORTED_BUCKETS if b >= rows.shape[0])
+            signature = (x.shape, x.dtype, x.device, x.stride(), x.storage_offset())
+            plan = _EAGER_PLANS[weight].plans[signature]
+            assert out.shape == (*lead, 1024)
+            assert torch.equal(out, launch(bucket, rows, *packed, 32, **plan.launch_params).reshape(*lead, 1024))
+            assert (plan.replay is not None) == (x is viewable or lead == (1, 1))
 
 
 @pytest.mark.parametrize("m, k, launch_params", [

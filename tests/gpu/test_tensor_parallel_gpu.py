@@ -5,11 +5,26 @@ the case runs on a one-GPU machine; the projections' K (1024, 2048) split in two
 super-blocks of 256."""
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torchao.testing import utils as torchao_testing
 
 import coalesced_int4 as ci4
 from coalesced_int4 import CudaCoalescedInt4Tensor
 from tests.helpers import requires_cuda
+
+
+class _MeshTakingItsDeviceType(DeviceMesh):
+    """torchao's case builds its mesh for the CPU (fewer GPUs than ranks) and then assigns
+    ``mesh.device_type = "cuda"``, which DeviceMesh's read-only property refuses (torch 2.11
+    and later): this mesh takes the assignment."""
+
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, value: str) -> None:
+        self._device_type = value
 
 
 # The base class is reached through its module so that pytest collects only this subclass.
@@ -28,6 +43,11 @@ class TestOurTensorParallel(torchao_testing.TorchAOTensorParallelTestCase):
     @property
     def backend(self) -> str:
         return "gloo"
+
+    def build_device_mesh(self) -> DeviceMesh:
+        mesh = super().build_device_mesh()
+        mesh.__class__ = _MeshTakingItsDeviceType
+        return mesh
 
     def quantize(self, m: torch.nn.Module) -> torch.nn.Module:
         ci4.quantize_(m, ci4.int4_config())

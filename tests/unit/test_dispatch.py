@@ -114,26 +114,39 @@ def test_kernel_sources_survive_being_pasted_into_a_compiled_module():
     assert result.stdout == "", result.stdout
 
 
-def test_plain_eager_calls_validate_once_per_signature_and_redecide_after_a_new_pick(weight, monkeypatch):
-    """The eager plan (no CUDA here: the rule and the launches are stand-ins that count)."""
+@pytest.mark.parametrize("short_programs", [True, False])
+def test_plain_eager_calls_validate_once_per_signature_and_redecide_after_a_new_pick(
+        weight, monkeypatch, short_programs):
+    """The eager plan (no CUDA here: the rule and the launches are stand-ins that count): one
+    launch where unsplit programs are short, else the decided launch, decided again (and the
+    call recorded again) once tuning picks something."""
     from coalesced_int4.kernels.autotune import launch_params
     from coalesced_int4.kernels.ops import int4_gemm
+    from coalesced_int4.kernels.runtime import recorded_call
 
-    rules, decisions, launches = [], [], []
+    rules, decisions, launches, recordings = [], [], [], []
     monkeypatch.setattr(dispatch_linear, "_plain_eager", lambda x: True)
     monkeypatch.setattr(dispatch_linear, "select_bucket", lambda x, args: rules.append(x.shape[0]) or 4)
+    monkeypatch.setattr(int4_gemm, "eager_one_launch", lambda k, family: short_programs)
     monkeypatch.setattr(int4_gemm, "decided_launch", lambda bucket, x, *w: decisions.append(bucket) or {"split_k": 2})
     monkeypatch.setattr(int4_gemm, "launch_decided", lambda bucket, x, w, params: launches.append((bucket, params))
                         or torch.zeros(x.shape[0], 320, dtype=torch.bfloat16))
+    monkeypatch.setattr(recorded_call, "record",
+                        lambda x, w, call, **views: recordings.append(x.shape[0]) or (call(), None))
+    params = {"split_k": 1, "prequantize": False} if short_programs else {"split_k": 2}
     x = torch.randn(3, 512, dtype=torch.bfloat16)
     for _ in range(3):
         F.linear(x, weight)
-    assert rules == [3] and decisions == [4] and launches == [(4, {"split_k": 2})] * 3
+    assert rules == [3] and launches == [(4, params)] * 3
+    assert decisions == ([] if short_programs else [4])
+    assert recordings == [3] * dispatch_linear.RECORDINGS  # then, with no replay, plain launches
     F.linear(x[:2], weight)  # another signature: its own plan
     assert rules == [3, 2]
-    launch_params._remember(("a new pick",), {})  # tuning picked something: launch parameters are decided again
+    recordings.clear()
+    launch_params._remember(("a new pick",), {})  # tuning picked something
     F.linear(x, weight)
-    assert rules == [3, 2] and decisions == [4, 4, 4]
+    assert rules == [3, 2] and recordings == [3] and launches[-1] == (4, params)
+    assert decisions == ([] if short_programs else [4, 4, 4])
     launch_params.clear_launch_param_cache()
 
 

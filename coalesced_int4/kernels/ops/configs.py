@@ -101,6 +101,21 @@ of at least this many elements (timed on an H200: 14336 x 4096 gains, 4096 x 409
 M = 3 on it always does."""
 
 
+EAGER_PROGRAM_WEIGHTS = 64 * 4096
+"""The most weights one program of an unsplit launch (``DEFAULT_TILE_ROWS`` rows by the
+stored K) may stream for an eager call to run as one launch (``eager_one_launch``). On an
+H100 an eager call costs the host about 19 µs; 64 programs of 64 rows by 4096 ran unsplit
+within that (4096 x 4096, M = 16), 64 by 14336 took 55 µs, twice their split launch."""
+
+
+def eager_one_launch(k: int, family: str) -> bool:
+    """Whether an eager call of this K runs as one launch, however few programs that makes:
+    where an unsplit program is short (``EAGER_PROGRAM_WEIGHTS``), the GPU finishes it within
+    the host time of the call, while each further launch (a reduction, a separate activation
+    quantization) adds host time to every call."""
+    return stored_k(k) * DEFAULT_TILE_ROWS[family] <= EAGER_PROGRAM_WEIGHTS
+
+
 def default_split_k(n: int, k: int, family: str, candidates: Sequence[int], sms: Optional[int]) -> int:
     """The split-K an untuned launch runs with: the smallest candidate whose programs
     (``DEFAULT_TILE_ROWS`` a tile) number ``DEFAULT_WAVES`` an SM, without a split shorter than

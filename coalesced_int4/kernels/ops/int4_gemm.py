@@ -32,6 +32,7 @@ from coalesced_int4.kernels.ops.configs import (
     TILE_SPLIT_K_CANDIDATES,
     default_prequantize,
     default_split_k,
+    eager_one_launch,
     int4_autotune_configs,
     prune_int4_configs,
 )
@@ -135,6 +136,16 @@ def _launcher(bucket: int):
 def decided_launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step) -> dict:
     """The launch parameters an eager ``launch`` of these arguments (a static M) runs with."""
     return _launcher(bucket).decided_values(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step, False)
+
+
+def eager_launch(bucket: int, x, qdata, scale, scale_step, zero_point, zero_point_step) -> dict:
+    """The launch parameters an eager call of these arguments runs with: one launch (no split,
+    W4A8 activations quantized inside the GEMM) where its unsplit programs are short
+    (``configs.eager_one_launch``), else ``decided_launch``'s."""
+    family = "w4a8" if bucket in W4A8_BUCKETS else "w4a16"
+    if eager_one_launch(x.shape[1], family):
+        return {"split_k": 1, "prequantize": False} if family == "w4a8" else {"split_k": 1, "balanced": False}
+    return decided_launch(bucket, x, qdata, scale, scale_step, zero_point, zero_point_step)
 
 
 def launch_decided(bucket: int, x, weights, launch_params: dict) -> torch.Tensor:

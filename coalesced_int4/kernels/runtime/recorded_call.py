@@ -4,7 +4,7 @@ launcher.
 An eager GEMM call decides its launch parameters, asks its autotuner for a config and, for
 each kernel it launches, goes through Triton's ``JITFunction.run`` (argument binding, the
 specialization key, the cache lookup, launch metadata): many times the host time of a dense
-``F.linear``. For one weight and one activation signature (rows, dtype, device, strides,
+``F.linear``. For one weight and one activation signature (shape, dtype, device, strides,
 storage offset) every call launches the same compiled kernels on the same grids with the same
 scalar arguments; only the activation, the buffers the call allocates (its output, split-K
 partials, quantized activations, tensor-descriptor scratch) and the stream change.
@@ -21,6 +21,10 @@ the call cannot be replayed:
   here;
 - a result that is not a buffer of the call.
 
+The launches may take a view of ``x`` at its address (``launched_x``: the caller's 2-D rows of
+a 3-D activation), and replays may return the result in another shape of the same elements
+(``result_shape``), so that a replay needs neither reshape.
+
 ``RecordedCall(x, weights)`` allocates the buffers again and hands each compiled kernel's
 launcher the recorded arguments with ``x`` and the new buffers in their places, on the current
 stream, after setting the shared memory carveout the recorded launch had (``smem_carveout``):
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -208,21 +213,31 @@ class RecordedCall:
         return buffers[self.result]
 
 
-def record(x: torch.Tensor, weights: Sequence[torch.Tensor],
-           call: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Optional[RecordedCall]]:
-    """``call()``'s result, and its launches recorded (None where they cannot be replayed)."""
-    recorder = _Recorder(x, weights)
+def record(x: torch.Tensor, weights: Sequence[torch.Tensor], call: Callable[[], torch.Tensor], *,
+           launched_x: Optional[torch.Tensor] = None,
+           result_shape: Optional[Tuple[int, ...]] = None) -> Tuple[torch.Tensor, Optional[RecordedCall]]:
+    """``call()``'s result, and its launches recorded (None where they cannot be replayed).
+    ``launched_x``: the view of ``x`` the launches take (default ``x``); replays are given
+    ``x`` itself, so a ``launched_x`` at another address (a copy) records nothing.
+    ``result_shape``: the shape replays return the result in (the same elements, contiguous)."""
+    launched_x = x if launched_x is None else launched_x
+    recorder = _Recorder(launched_x, weights)
     token = _recorder.set(recorder)
     try:
         result = call()
     finally:
         _recorder.reset(token)
     results = [i for i, buffer in enumerate(recorder.buffers) if buffer is result]
-    if recorder.refused is not None or not recorder.launches or not results:
+    if (recorder.refused is not None or not recorder.launches or not results
+            or launched_x.data_ptr() != x.data_ptr()):
         return result, None
+    buffers = [(tuple(b.shape), b.dtype) for b in recorder.buffers]
+    if result_shape is not None:
+        if not result.is_contiguous() or result.numel() != math.prod(result_shape):
+            raise ValueError(f"a {tuple(result.shape)} result cannot be returned as {tuple(result_shape)}")
+        buffers[results[0]] = (tuple(result_shape), result.dtype)
     return result, RecordedCall(
         device_index=torch.cuda.current_device(),
         weights=tuple(weights), weight_addresses=tuple(w.data_ptr() for w in weights),
-        buffers=tuple((tuple(b.shape), b.dtype) for b in recorder.buffers),
-        result=results[0], launches=tuple(recorder.launches),
+        buffers=tuple(buffers), result=results[0], launches=tuple(recorder.launches),
     )

@@ -6,7 +6,7 @@ decode path) or a GPU (the kernels).
 Every linear but the head (tied to the embedding) is quantized by each method:
 
 - ours, ``qparams="mse"`` (the default) and ``"minmax"``;
-- group-wise int4 with bf16 scale and zero point at groups of 32 and 128, min-max
+- group-wise int4 with bf16 scale and zero point at groups of 32, 64 and 128, min-max
   (torchao's ``choose_qparams_affine`` / ``quantize_affine``) and HQQ (torchao's
   ``_choose_qparams_and_quantize_affine_hqq``, its proximal solver), evaluated as their
   dequantized weights.
@@ -115,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"# {rows[-1]}", flush=True)
         errors[qparams] = accuracy.layer_output_errors(model, tokenizer, text, dense)
         quantized[qparams] = model
-    for group in (32, 128):
+    for group in (32, 64, 128):
         for hqq in (False, True):
             model = copy.deepcopy(dense)
             method = grouped_int4(group, hqq)

@@ -15,19 +15,26 @@ time to first token (a one-token generation), peak GPU memory of the generation,
 weights' bytes. All methods run in one process on one GPU, one model at a time (a quantized
 copy is made from the bf16 model, measured, and freed), each phase printed as it ends.
 
-    python benchmarks/bench_hf.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--new-tokens 64]
-        [--eager-tokens 16] [--layers 32] [--json out.json] [--markdown table.md]
+Eager generation runs at ``--eager-batches`` (default batch 1: what eager users run). A run
+may be split over processes (one method each, say): ``--include-json`` puts the rows of
+earlier runs' JSON files (same GPU) into this run's table, so the bf16 column of "vs bf16"
+can come from another run.
+
+    python benchmarks/bench_hf.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--eager-batches 1]
+        [--new-tokens 64] [--eager-tokens 16] [--layers 32] [--include-json earlier.json ...]
+        [--json out.json] [--markdown table.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 from typing import Dict, List, Optional
 
 import torch
-from bench_gemm import write_json, write_markdown
+from bench_gemm import device_name, write_json, write_markdown
 
 import coalesced_int4 as ci4
 from coalesced_int4.hf_tools import weight_bytes
@@ -92,13 +99,25 @@ def measure(model, batch: int, new_tokens: int, static: bool) -> Dict[str, float
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def _rows_of(path: str, layers: int) -> List[dict]:
+    """The rows of an earlier run's JSON, which must come from this GPU and model depth."""
+    with open(path) as handle:
+        earlier = json.load(handle)
+    if earlier["device"] != device_name() or earlier.get("layers") != layers:
+        raise ValueError(f"{path}: measured on {earlier['device']} with {earlier.get('layers')} layers; this run is "
+                         f"on {device_name()} with {layers}: its rows would not compare")
+    return earlier["rows"]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="bf16,ours,torchao")
-    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--batches", default="1,4,16", help="batch sizes of compiled generation")
+    parser.add_argument("--eager-batches", default="1", help="batch sizes of eager generation")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens a compiled generation makes")
     parser.add_argument("--eager-tokens", type=int, default=16, help="tokens an eager generation makes")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--include-json", nargs="*", default=[], help="earlier runs' JSON files to tabulate too")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write the table, stamped with its environment, here")
     args = parser.parse_args(argv)
@@ -106,9 +125,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # measurements would silently run eager.
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = {True: [int(b) for b in args.batches.split(",")], False: [int(b) for b in args.eager_batches.split(",")]}
+    rows = [row for path in args.include_json for row in _rows_of(path, args.layers)]
     base = llama3_8b(args.layers)
-    rows = []
     for method in args.methods.split(","):
         start = time.perf_counter()
         model = quantized(base, method)
@@ -116,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         size = weight_bytes(model)
         for static, tokens in ((True, args.new_tokens), (False, args.eager_tokens)):
             mode = "compiled" if static else "eager"
-            for batch in batches:
+            for batch in batches[static]:
                 start = time.perf_counter()
                 row = {"method": method, "mode": mode, "batch": batch, "weight_gib": size / 2**30,
                        **measure(model, batch, tokens, static)}
@@ -139,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.markdown:
         write_markdown(args.markdown, table)
     if args.json:
-        write_json(args.json, rows=rows)
+        write_json(args.json, layers=args.layers, rows=rows)
     return 0
 
 

@@ -10,7 +10,8 @@
 #   attention       decode attention against SDPA
 #   defaults        default launches against tuned ones (bench_defaults.py; writes $OUT/defaults.md)
 #   eager           eager per-call host cost and eager decoding (bench_eager.py; writes $OUT/eager.md)
-#   hf              Hugging Face generate benchmark (bench_hf.py; HF_BATCHES, HF_LAYERS; writes
+#   hf              Hugging Face generate benchmark (bench_hf.py; HF_METHODS, HF_BATCHES, HF_LAYERS,
+#                   HF_INCLUDE: earlier runs' JSON files for the table; writes $OUT/hf.json and
 #                   $OUT/hf.md); needs transformers (.whl from device-wheels.sh --hf)
 #   tp              tensor-parallel decode (bench_tp.py) at TP = 1, then TP = $TP_RANKS (default
 #                   2) under torchrun: needs that many GPUs; writes $OUT/tp1.json and tp$TP_RANKS.json
@@ -127,7 +128,8 @@ for step in $steps; do
       timeout "${EAGER_S:-240}" python benchmarks/bench_eager.py --markdown "$out/eager.md" > "$out/eager.log" 2>&1
       grep -E "^\||^#|Error" "$out/eager.log" | tail -20 ;;
     hf)
-      timeout "${HF_S:-540}" python benchmarks/bench_hf.py --batches "${HF_BATCHES:-1,4,16}" --layers "${HF_LAYERS:-32}" \
+      timeout "${HF_S:-540}" python benchmarks/bench_hf.py --methods "${HF_METHODS:-bf16,ours,torchao}" \
+        --batches "${HF_BATCHES:-1,4,16}" --layers "${HF_LAYERS:-32}" ${HF_INCLUDE:+--include-json $HF_INCLUDE} \
         --json "$out/hf.json" --markdown "$out/hf.md" > "$out/hf.log" 2>&1
       grep -E "^\||^#|Error" "$out/hf.log" | tail -40 ;;
     tp)

@@ -9,8 +9,10 @@ directory that ``from_pretrained`` can quantize at load and the converter can re
 ``load(model, quantize, device)`` reads a transformers model directory (a dense checkpoint, a
 quantized one of ours or written by ``save_pretrained``) or a ``.gguf`` file, with its
 tokenizer; ``quantize=True`` quantizes a dense model at load (``TorchAoConfig`` with
-``Int4Config``). ``generate_text`` runs greedy ``generate`` (on CUDA with a static KV cache,
-which transformers compiles) and reports tokens/s and the weights' memory, each storage once.
+``Int4Config``; a GGUF file is first written as a dense checkpoint in a temporary directory,
+since transformers takes no quantization config with one). ``generate_text`` runs greedy
+``generate`` (on CUDA with a static KV cache, which transformers compiles) and reports
+tokens/s and the weights' memory, each storage once.
 ``perplexity`` scores a text over strided windows: each window of ``window`` tokens predicts
 the tokens after its overlap with the previous one, so every token is scored once with up to
 ``window - stride`` tokens of context.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Tuple, Union
@@ -41,6 +44,11 @@ def load(model: Union[str, Path], quantize: bool = False, device: str = "cpu") -
         source, extra = path, {}
     else:
         raise ValueError(f"{path}: expected a transformers model directory or a .gguf file")
+    if quantize and extra:
+        # transformers takes no quantization config with a GGUF file: the file becomes a dense
+        # checkpoint first, which is quantized as it loads.
+        with tempfile.TemporaryDirectory() as directory:
+            return load(dense_checkpoint_from_gguf(path, Path(directory) / path.stem), quantize=True, device=device)
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     options = dict(extra, dtype=torch.bfloat16)
     if quantize:

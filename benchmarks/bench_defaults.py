@@ -11,10 +11,13 @@ Per (N, K, M), in one process whose pick store starts empty (a fresh temporary d
 3. default, warm store: the in-memory picks dropped (as a new process starts), launched again
    outside ``autotune()``, so the stored picks are restored.
 
-The table gives each time and the ratios default / tuned (the worst is the headline).
+The table gives each time and the ratios default / tuned (the worst is the headline). The JSON
+is rewritten after every row; ``--include-json`` puts the rows of earlier runs on the same GPU
+first in this run's table, so that shapes measured in separate processes (each with its own
+empty store) make one table.
 
-    python benchmarks/bench_defaults.py [--shapes 4096x4096,...] [--ms 1,2,4,8,16,32,64] [--json out.json]
-        [--markdown table.md]
+    python benchmarks/bench_defaults.py [--shapes 4096x4096,...] [--ms 1,2,4,8,16,32,64]
+        [--include-json earlier.json ...] [--json out.json] [--markdown table.md]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from bench_gemm import (
     LLAMA3_8B_SHAPES,
     bucket_for,
     random_int4_weights,
+    read_json_rows,
     settle_launch_state,
     write_json,
     write_markdown,
@@ -48,10 +52,17 @@ def _params(choice: dict) -> str:
     return ", ".join(f"{name} {value}" for name, value in choice.items())
 
 
+def _line(row: dict) -> str:
+    return (f"| {row['N']}x{row['K']} | {row['M']} | {row['default_us']:.1f} | {row['tuned_us']:.1f} "
+            f"| {row['default_us'] / row['tuned_us']:.2f} | {row['warm_us'] / row['tuned_us']:.2f} "
+            f"| {_params(row['default_choice'])} | {_params(row['tuned_choice'])} |")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, M_VALUES)))
+    parser.add_argument("--include-json", nargs="*", default=[], help="earlier runs' JSON files to tabulate too")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write the table, stamped with its environment, here")
     args = parser.parse_args(argv)
@@ -66,7 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ms = [int(m) for m in args.ms.split(",")]
     table = ["| N x K | M | default µs (empty store) | tuned µs | default / tuned | warm store / tuned "
              "| default launch | tuned launch |", "|---|---|---|---|---|---|---|---|"]
-    rows = []
+    rows = [row for path in args.include_json for row in read_json_rows(path)]
+    table += [_line(row) for row in rows]
     print("\n".join(table), flush=True)
     for n, k in shapes:
         copies = random_int4_weights(n, k, copies_beyond_l2(n * k * INT4_BYTES_PER_WEIGHT))
@@ -86,8 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "default_choice": default, "tuned_choice": stats.choices[-1],
                    "candidates_us": {str(c): t for c, t in pick.times_us.items()} if pick else {}}
             rows.append(row)
-            table.append(f"| {n}x{k} | {m} | {default_us:.1f} | {tuned_us:.1f} | {default_us / tuned_us:.2f} "
-                         f"| {warm_us / tuned_us:.2f} | {_params(default)} | {_params(stats.choices[-1])} |")
+            table.append(_line(row))
             print(table[-1], flush=True)
             if args.json:
                 write_json(args.json, rows=rows)

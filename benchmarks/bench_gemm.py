@@ -242,6 +242,18 @@ def write_json(path: str, **content) -> None:
         json.dump({"device": device_name(), "torch": torch.__version__, **content}, handle, indent=1)
 
 
+def read_json_rows(path: str, **expected) -> List[dict]:
+    """The rows of a JSON that ``write_json`` wrote with ``rows=``, refused unless it was
+    measured on this device with ``expected``'s values (the model depth, say)."""
+    with open(path) as handle:
+        content = json.load(handle)
+    measured = {"device": content["device"], **{key: content.get(key) for key in expected}}
+    wanted = {"device": device_name(), **expected}
+    if measured != wanted:
+        raise ValueError(f"{path}: measured with {measured}, this run has {wanted}: its rows would not compare")
+    return content["rows"]
+
+
 def write_markdown(path: str, table: List[str]) -> None:
     """The table as Markdown, under its environment stamp and the command that made it."""
     command = " ".join(["python", *[arg if " " not in arg else repr(arg) for arg in sys.argv]])

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from typing import Dict, List, Optional
 
 import torch
-from bench_gemm import device_name, write_json, write_markdown
+from bench_gemm import read_json_rows, write_json, write_markdown
 
 import coalesced_int4 as ci4
 from coalesced_int4.hf_tools import weight_bytes
@@ -99,16 +98,6 @@ def measure(model, batch: int, new_tokens: int, static: bool) -> Dict[str, float
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def _rows_of(path: str, layers: int) -> List[dict]:
-    """The rows of an earlier run's JSON, which must come from this GPU and model depth."""
-    with open(path) as handle:
-        earlier = json.load(handle)
-    if earlier["device"] != device_name() or earlier.get("layers") != layers:
-        raise ValueError(f"{path}: measured on {earlier['device']} with {earlier.get('layers')} layers; this run is "
-                         f"on {device_name()} with {layers}: its rows would not compare")
-    return earlier["rows"]
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="bf16,ours,torchao")
@@ -126,7 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.accumulated_recompile_limit = 4096
     batches = {True: [int(b) for b in args.batches.split(",")], False: [int(b) for b in args.eager_batches.split(",")]}
-    rows = [row for path in args.include_json for row in _rows_of(path, args.layers)]
+    rows = [row for path in args.include_json for row in read_json_rows(path, layers=args.layers)]
     base = llama3_8b(args.layers)
     for method in args.methods.split(","):
         start = time.perf_counter()

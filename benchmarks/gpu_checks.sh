@@ -8,7 +8,8 @@
 #   decode          decode benchmark (DECODE_ROUNDS: timed generations per method, default 3;
 #                   writes $OUT/decode.md)
 #   attention       decode attention against SDPA
-#   defaults        default launches against tuned ones (bench_defaults.py; writes $OUT/defaults.md)
+#   defaults        default launches against tuned ones (bench_defaults.py; SHAPES, DEFAULTS_INCLUDE:
+#                   earlier runs' JSON files for the table; writes $OUT/defaults.json and .md)
 #   eager           eager per-call host cost and eager decoding (bench_eager.py; writes $OUT/eager.md)
 #   hf              Hugging Face generate benchmark (bench_hf.py; HF_METHODS, HF_BATCHES, HF_LAYERS,
 #                   HF_INCLUDE: earlier runs' JSON files for the table; writes $OUT/hf.json and
@@ -122,6 +123,7 @@ for step in $steps; do
       grep -E "^\||^#|Error" "$out/attention.log" | tail -30 ;;
     defaults)
       timeout "${DEFAULTS_S:-400}" python benchmarks/bench_defaults.py ${SHAPES:+--shapes $SHAPES} \
+        ${DEFAULTS_INCLUDE:+--include-json $DEFAULTS_INCLUDE} \
         --json "$out/defaults.json" --markdown "$out/defaults.md" > "$out/defaults.log" 2>&1
       grep -E "^\||^#|Worst|Error" "$out/defaults.log" | tail -40 ;;
     eager)

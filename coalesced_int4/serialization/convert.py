@@ -1,12 +1,13 @@
 """Converting a Hugging Face safetensors checkpoint, and inspecting one of ours.
 
 ``convert_checkpoint(src, dst)`` streams the source one tensor at a time: a tensor is quantized
-when it is a 2-D floating ``*.weight`` whose K is a multiple of 256, its name matches an
-``include`` pattern and no ``exclude`` pattern (fnmatch; embeddings are excluded by default),
-and, where the source has a ``config.json`` that transformers can build a model from (on the
-meta device), it is the weight of one of that model's ``nn.Linear`` modules: so GPT-2's
-``Conv1D`` weights and position embeddings stay dense. Everything else is copied as it is. Output shards
-are flushed as they fill, so peak memory is about one source shard plus one output shard.
+when it is a 2-D floating ``*.weight`` whose K is a multiple of 32 (stored padded to whole
+super-blocks of 256), its name matches an ``include`` pattern and no ``exclude`` pattern
+(fnmatch; embeddings are excluded by default), and, where the source has a ``config.json``
+that transformers can build a model from (on the meta device), it is the weight of one of that
+model's ``nn.Linear`` modules: so GPT-2's ``Conv1D`` weights and position embeddings stay
+dense. Everything else is copied as it is. Output shards are flushed as they fill, so peak
+memory is about one source shard plus one output shard.
 ``config.json`` (with a ``quantization_config`` that lets transformers' ``from_pretrained`` read
 the output), ``generation_config.json`` and tokenizer files are copied along.
 
@@ -34,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from coalesced_int4.quantize import quantize_weight, unpackable_reason
+from coalesced_int4.quantize import unpackable_reason
 from coalesced_int4.serialization.format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, holds_quantized_weights
 from coalesced_int4.serialization.reader import checkpoint_files, load_state_dict, verify_checkpoint
 from coalesced_int4.serialization.writer import INDEX_FILE, ShardWriter
@@ -230,10 +231,10 @@ def convert_checkpoint(
             summary.bytes_in += tensor.numel() * tensor.element_size()
             if should_quantize(name, tensor.shape, tensor.dtype, include, exclude, linear_weights):
                 try:
-                    packed = quantize_weight(tensor.to(device))
+                    quantized = CudaCoalescedInt4Tensor.from_float(tensor.to(device))
                 except ValueError as error:
                     raise CheckpointError(f"{file}: tensor {name!r} cannot be quantized: {error}") from None
-                writer.add(name, CudaCoalescedInt4Tensor.from_packed(packed))
+                writer.add(name, quantized)
                 summary.quantized += 1
             else:
                 writer.add(name, tensor)

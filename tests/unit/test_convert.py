@@ -25,6 +25,7 @@ def write_hf_checkpoint(directory, shards, seed=0, rows=256):
         tensors = {
             f"model.layers.{i}.mlp.up_proj.weight": torch.randn(rows, 512, generator=generator).to(torch.bfloat16),
             f"model.layers.{i}.self_attn.o_proj.weight": torch.randn(256, 256, generator=generator),
+            f"model.layers.{i}.mlp.down_proj.weight": torch.randn(64, 576, generator=generator).to(torch.bfloat16),
             f"model.layers.{i}.input_layernorm.weight": torch.ones(512, dtype=torch.float16),
             f"model.layers.{i}.odd_proj.weight": torch.randn(64, 100, generator=generator).half(),
         }
@@ -48,9 +49,10 @@ def test_converter_quantizes_linear_weights_and_copies_the_rest(tmp_path):
     state = ci4.load_state_dict(tmp_path / "dst")
     assert state.keys() == dense.keys()
     for name, value in state.items():
-        quantize = name.endswith(("up_proj.weight", "o_proj.weight"))
+        quantize = name.endswith(("up_proj.weight", "o_proj.weight", "down_proj.weight"))
         assert isinstance(value, CudaCoalescedInt4Tensor) == quantize, name
-        if quantize:
+        if quantize:  # K = 576 stored padded to 768, keeping its logical shape
+            assert value.shape == dense[name].shape, name
             assert all(torch.equal(a, b) for a, b in zip(value.packed, quantize_weight(dense[name])))
         else:
             assert value.dtype == dense[name].dtype and torch.equal(value, dense[name])
@@ -75,13 +77,15 @@ def test_summary_and_inspect_report(tmp_path, capsys):
     write_hf_checkpoint(tmp_path / "src", shards=2)
     main(["quantize", str(tmp_path / "src"), str(tmp_path / "dst")])
     summary = capsys.readouterr().out
-    assert "4 tensors quantized, 5 copied" in summary and "MiB ->" in summary
+    assert "6 tensors quantized, 5 copied" in summary and "MiB ->" in summary
     assert main(["inspect", str(tmp_path / "dst"), "--error", str(tmp_path / "src")]) == 0
     report = capsys.readouterr().out
-    assert "format_version 1" in report and "quantized weights: 4" in report
-    assert "4.6250 bits per weight" in report and "plain tensors: 5" in report
+    assert "format_version 1" in report and "quantized weights: 6" in report
+    # 4.625 bits per stored weight; down_proj's K of 576 is stored as 768
+    stored, logical = 256 * 512 + 256 * 256 + 64 * 768, 256 * 512 + 256 * 256 + 64 * 576
+    assert f"{4.625 * stored / logical:.4f} bits per weight" in report and "plain tensors: 5" in report
     snr_lines = [line for line in report.splitlines() if line.strip().endswith("dB")]
-    assert len(snr_lines) == 4 and all(15 < float(line.split()[-2]) < 30 for line in snr_lines)
+    assert len(snr_lines) == 6 and all(15 < float(line.split()[-2]) < 30 for line in snr_lines)
 
 
 def test_cli_errors_name_the_file_and_exit_2(tmp_path, capsys):

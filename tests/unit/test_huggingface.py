@@ -189,17 +189,25 @@ TEXT = ("The city council met on Tuesday to discuss the new budget. Members argu
         "back the visitors they lost when the road was cut. ") * 3
 
 
-def test_the_generate_command_continues_a_prompt_with_a_gguf_model_quantized_at_load(capsys):
-    """A GGUF file with --quantize: written as a dense checkpoint first (transformers takes no
-    quantization config with a GGUF file), which is quantized as it loads."""
+def test_a_converted_checkpoint_generates_and_a_gguf_file_quantizes_at_load(smollm2, tmp_path, capsys):
+    """``quantize`` converts SmolLM2 (K = 576, stored padded to 768) into a checkpoint that
+    ``generate`` continues a prompt from; ``eval --quantize`` takes the GGUF file itself, which
+    is written as a dense checkpoint first (transformers takes no quantization config with a
+    GGUF file) and quantized as it loads."""
     from coalesced_int4 import hf_tools
 
-    assert main(["generate", str(hf_tools.smollm2_gguf()), "--prompt", "The capital of Germany is",
-                 "--max-new-tokens", "6", "--quantize", "--device", "cpu"]) == 0
+    assert main(["quantize", str(smollm2[0]), str(tmp_path / "int4")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "int4"), "--prompt", "The capital of Germany is", "--max-new-tokens", "6",
+                 "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "Berlin" in out and "tokens/s" in out
     weights_mib = float(re.search(r"weights ([0-9.]+) MiB", out).group(1))
     assert weights_mib < 160  # quantized: 256.6 MiB dense, 127.2 with every linear but the tied head in int4
+    (tmp_path / "text.txt").write_text(TEXT)
+    assert main(["eval", str(hf_tools.smollm2_gguf()), "--quantize", "--text", str(tmp_path / "text.txt"), "--window", "64",
+                 "--stride", "64", "--max-windows", "1", "--device", "cpu"]) == 0
+    assert float(re.search(r"perplexity ([0-9.]+)", capsys.readouterr().out).group(1)) < 100
 
 
 def test_strided_perplexity_matches_one_window_and_the_eval_command_runs(smollm2, smollm2_quantized, tmp_path,

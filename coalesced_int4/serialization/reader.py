@@ -184,15 +184,21 @@ def load_quantized(
     tensor is an error naming it, unless ``cast`` (then it is cast to the model's dtype).
     ``verify`` checks every stored tensor's checksum as it is read. Returns ``model``.
 
+    A tensor the model holds, or declares, under several names (a head tied to the embedding)
+    needs one of them in the checkpoint, as transformers saves it, and is one tensor after
+    loading: every name is pointed at what was loaded.
+
     A tensor still on the meta device afterwards (a key the checkpoint lacks, or a
     non-persistent buffer such as a rotary ``inv_freq``, which checkpoints never hold) would
     crash the first forward, so it is an error naming it: build such models with buffers on a
     real device (accelerate's ``init_empty_weights()`` does, ``torch.device("meta")`` does not).
     """
     files = _read_headers(path)
-    expected = set(model.state_dict(keep_vars=True))
+    state = model.state_dict(keep_vars=True)
+    expected = set(state)
+    tied = _tied_names(model, state)
     stored = {name: file.path for file in files for name in file.names}
-    missing = sorted(expected - stored.keys())
+    missing = sorted(name for name in expected if not any(alias in stored for alias in tied[name]))
     unexpected = sorted(stored.keys() - expected)
     if strict and (missing or unexpected):
         lines = [f"{path}: checkpoint and model disagree"]
@@ -210,6 +216,9 @@ def load_quantized(
                        path, missing, unexpected)
     for file_path, name, value in _read_entries(files, "cpu", wanted=expected, verify=verify):
         _assign(model, name, value, device, cast)
+        for alias in tied[name]:
+            if alias != name:
+                _tie(model, alias, name)
     left_on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if left_on_meta:
         raise CheckpointError(
@@ -217,6 +226,37 @@ def load_quantized(
             f"(first: {left_on_meta[0]!r}); the checkpoint does not hold them, so build the model with them "
             f"on a real device (e.g. accelerate's init_empty_weights(), which keeps buffers real)")
     return model
+
+
+def _tied_names(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, Tuple[str, ...]]:
+    """Each state-dict name -> every name of one tensor (itself included): the names of one
+    tensor object, joined with the pairs the model declares tied (transformers'
+    ``all_tied_weights_keys``, target -> source: a model built under accelerate's
+    ``init_empty_weights`` is not tied yet)."""
+    groups: Dict[str, set] = {}
+
+    def join(a: str, b: str) -> None:
+        merged = groups.get(a, {a}) | groups.get(b, {b})
+        for name in merged:
+            groups[name] = merged
+
+    first_name: Dict[int, str] = {}
+    for name, tensor in state.items():
+        join(first_name.setdefault(id(tensor), name), name)
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in state and source in state:
+            join(target, source)
+    return {name: tuple(sorted(groups[name])) for name in state}
+
+
+def _tie(model: torch.nn.Module, name: str, source: str) -> None:
+    """Point ``name`` at the tensor ``source`` now holds."""
+    _, module, attr, _ = _owner(model, name)
+    value = _owner(model, source)[3]
+    if attr in module._parameters:
+        module._parameters[attr] = value
+    else:
+        module._buffers[attr] = value
 
 
 def _owner(model: torch.nn.Module, name: str):

@@ -299,3 +299,23 @@ def test_each_architecture_quantizes_at_load_saves_reloads_and_generates(archite
         assert torch.equal(reloaded(TOKENS % 320).logits, logits)
     out = reloaded.generate(TOKENS[:, :4] % 320, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)
+
+
+def test_load_quantized_fills_a_meta_model_whose_head_is_tied_and_keeps_the_tie(tmp_path):
+    """transformers saves a tied head as the embedding alone; loading our converted checkpoint
+    into a meta-built model (whose tie transformers declares but has not made) fills both
+    names with the one loaded tensor."""
+    from accelerate import init_empty_weights
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    assert main(["quantize", str(tmp_path / "dense"), str(tmp_path / "q")]) == 0
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    with init_empty_weights():  # parameters on the meta device (not tied yet), buffers (rotary inv_freq) real
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert ci4.load_quantized(model, tmp_path / "q") is model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, CudaCoalescedInt4Tensor)
+    assert torch.equal(model(TOKENS).logits, reference(TOKENS).logits)

@@ -10,9 +10,9 @@ directory that ``from_pretrained`` can quantize at load and the converter can re
 quantized one of ours or written by ``save_pretrained``) or a ``.gguf`` file, with its
 tokenizer; ``quantize=True`` quantizes a dense model at load (``TorchAoConfig`` with
 ``Int4Config``; a GGUF file is first written as a dense checkpoint in a temporary directory,
-``as_checkpoint_directory``, since transformers takes no quantization config with one). ``generate_text`` runs greedy
-``generate`` (on CUDA with a static KV cache, which transformers compiles) and reports
-tokens/s and the weights' memory, each storage once.
+``as_checkpoint_directory``, since transformers takes no quantization config with one).
+``generate_text`` runs greedy ``generate`` (on CUDA with a static KV cache, which
+transformers compiles) and reports tokens/s and the weights' memory, each storage once.
 ``perplexity`` scores a text over strided windows: each window of ``window`` tokens predicts
 the tokens after its overlap with the previous one, so every token is scored once with up to
 ``window - stride`` tokens of context.
@@ -39,17 +39,17 @@ def load(model: Union[str, Path], quantize: bool = False, device: str = "cpu") -
     from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
 
     path = Path(model)
+    if quantize and path.suffix == ".gguf":
+        # transformers takes no quantization config with a GGUF file: the file becomes a dense
+        # checkpoint first, which is quantized as it loads.
+        with as_checkpoint_directory(path) as directory:
+            return load(directory, quantize=True, device=device)
     if path.suffix == ".gguf":
         source, extra = path.parent, {"gguf_file": path.name}
     elif path.is_dir():
         source, extra = path, {}
     else:
         raise ValueError(f"{path}: expected a transformers model directory or a .gguf file")
-    if quantize and extra:
-        # transformers takes no quantization config with a GGUF file: the file becomes a dense
-        # checkpoint first, which is quantized as it loads.
-        with as_checkpoint_directory(path) as directory:
-            return load(directory, quantize=True, device=device)
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     options = dict(extra, dtype=torch.bfloat16)
     if quantize:

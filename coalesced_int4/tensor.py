@@ -409,15 +409,22 @@ def _empty_like(func, types, args, kwargs):
     )
 
 
+def check_own_shape_view(tensor: torch.Tensor, shape) -> None:
+    """Raise unless ``view(shape)`` (one dimension may be -1) asks for ``tensor``'s own shape,
+    the only view the format has."""
+    resolved = list(shape)
+    if -1 in resolved:
+        rest = math.prod(d for d in resolved if d != -1)
+        resolved[resolved.index(-1)] = tensor.numel() // rest if rest else 0
+    if torch.Size(resolved) != tensor.shape:
+        raise NotImplementedError(f"{type(tensor).__name__} views only as its own shape {tuple(tensor.shape)}, "
+                                  f"got {tuple(shape)}: the format has no other layout")
+
+
 @implements(aten.view.default)
 def _view(func, types, args, kwargs):
-    weight, shape = args[0], list(args[1])
-    if -1 in shape:
-        rest = math.prod(d for d in shape if d != -1)
-        shape[shape.index(-1)] = weight.numel() // rest if rest else 0
-    if torch.Size(shape) != weight.shape:
-        raise NotImplementedError(f"{type(weight).__name__} views only as its own shape {tuple(weight.shape)}, "
-                                  f"got {tuple(args[1])}: the format has no other layout")
+    weight = args[0]
+    check_own_shape_view(weight, args[1])
     return return_and_correct_aliasing(func, args, kwargs, _with_tensors(weight, weight.packed, weight.shape))
 
 

@@ -23,7 +23,7 @@ from torchao.utils import TorchAOBaseTensor
 
 from coalesced_int4.dispatch import quantized_linear
 from coalesced_int4.quantize import PackedInt4
-from coalesced_int4.tensor import CudaCoalescedInt4Tensor, dispatch_from_table
+from coalesced_int4.tensor import CudaCoalescedInt4Tensor, check_own_shape_view, dispatch_from_table
 from coalesced_int4.torch_internals import return_and_correct_aliasing
 
 __all__ = ["TransposedInt4Weight"]
@@ -110,10 +110,8 @@ def _t(func, types, args, kwargs):
 
 @implements(aten.view.default)
 def _view(func, types, args, kwargs):
-    transposed, shape = args[0], args[1]
-    if list(shape) != list(transposed.shape):
-        raise NotImplementedError(f"TransposedInt4Weight views only as its own shape {tuple(transposed.shape)}, "
-                                  f"got {tuple(shape)}")
+    transposed = args[0]
+    check_own_shape_view(transposed, args[1])
     return return_and_correct_aliasing(func, args, kwargs, TransposedInt4Weight.of(transposed.weight))
 
 

@@ -17,6 +17,12 @@ c10d_functional = torch.ops._c10d_functional
 """The functional collectives' ops (DTensor gathers through them)."""
 
 
+def current_device_index() -> int:
+    """The current CUDA device's index (``torch.cuda.current_device()`` without its Python
+    initialization check, for a caller that already ran on CUDA)."""
+    return torch._C._cuda_getDevice()
+
+
 def current_raw_stream(device_index: int) -> int:
     """The current CUDA stream of a device, as the raw handle Triton's launchers take (what
     Triton itself asks torch for)."""
@@ -32,6 +38,7 @@ __all__ = [
     "TorchDispatchMode",
     "WeakIdKeyDictionary",
     "c10d_functional",
+    "current_device_index",
     "current_raw_stream",
     "disable_current_modes",
     "dispatch_mode_active",

@@ -82,6 +82,7 @@ def _two_kernel_gemm(x, weight, product=PRODUCT, activation=None):
 @pytest.fixture(autouse=True)
 def _one_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: _kept(empty(*args, **kwargs)))

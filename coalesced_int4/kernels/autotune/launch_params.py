@@ -84,7 +84,13 @@ TUNE_ENV = "COALESCED_INT4_AUTOTUNE"
 """``COALESCED_INT4_AUTOTUNE=1``: tune every shape with no pick on first use, in the whole process."""
 
 _TUNE_FROM_ENVIRONMENT = os.environ.get(TUNE_ENV) == "1"
-_state = threading.local()
+class _TuningState(threading.local):
+    stats = None
+    """Each thread's innermost ``autotune_launch_params`` statistics (a class default, so that
+    reading it costs no failed lookup: eager calls read it every time)."""
+
+
+_state = _TuningState()
 _cache: Dict[tuple, Any] = {}
 """Picks of this process: timed, or restored from the persistent store."""
 _generation = 0
@@ -101,7 +107,7 @@ _lock = threading.RLock()
 @contextlib.contextmanager
 def autotune_launch_params():
     """Tune launch parameters while active; yields the ``LaunchParamStats``. Nestable."""
-    previous = getattr(_state, "stats", None)
+    previous = _state.stats
     _state.stats = stats = LaunchParamStats()
     try:
         yield stats
@@ -112,7 +118,7 @@ def autotune_launch_params():
 def tuning_stats():
     """The statistics of the tuning in effect (the innermost context's, or the process's
     under ``TUNE_ENV``), or None where tuning is off."""
-    stats = getattr(_state, "stats", None)
+    stats = _state.stats
     if stats is None and _TUNE_FROM_ENVIRONMENT:
         return _process_stats
     return stats

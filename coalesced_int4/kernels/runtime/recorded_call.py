@@ -30,10 +30,10 @@ launcher the recorded arguments with ``x`` and the new buffers in their places, 
 stream, after setting the shared memory carveout the recorded launch had (``smem_carveout``):
 the same kernels, grids and arguments, hence the same bits. Tensor arguments go as their
 addresses, which the launcher takes without asking the driver about each. It returns None,
-launching nothing, where the weights are other tensors than those recorded (or moved), the
-current CUDA device is another, ``x`` is not 16-byte aligned, or a launch hook is installed
-(a profiler's, or ``fitted_to_grid`` open in another thread): the caller then launches as
-usual.
+launching nothing, where the weights are not at the addresses recorded (other tensors, or
+moved), the current CUDA device is another, ``x`` is not 16-byte aligned, or a launch hook is
+installed (a profiler's, or ``fitted_to_grid`` open in another thread): the caller then
+launches as usual.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ import torch
 import triton
 
 from coalesced_int4.kernels.runtime.smem_carveout import FITTER
-from coalesced_int4.torch_internals import current_raw_stream
+from coalesced_int4.torch_internals import current_device_index, current_raw_stream
 
 _recorder: contextvars.ContextVar = contextvars.ContextVar("coalesced_int4_launch_recorder", default=None)
 
 _HOOKS = triton.knobs.runtime
+_ADDRESS = torch.Tensor.data_ptr
 ALIGNMENT = 16
 """Bytes to which Triton specializes a pointer argument's alignment when it compiles: a replay
 takes only activations aligned so (a kernel recorded on one may assume it)."""
@@ -177,9 +178,13 @@ class RecordedCall:
     """A recorded GEMM call (``record``), replayed by calling it."""
 
     device_index: int
+    """The current CUDA device when recorded: a replay runs only while it is current."""
+    device: torch.device
+    """The activation's device, where replays allocate their buffers."""
     weights: Tuple[torch.Tensor, ...]
-    """The weight tensors recorded (replays check they are still the weight's, at the same
-    addresses: the launches hold those addresses)."""
+    """The weight tensors recorded, held so that their memory stays theirs: the launches hold
+    their addresses, and a replay checks only that the weights it is given are at those
+    addresses (a tensor there is a view of the same bytes)."""
     weight_addresses: Tuple[int, ...]
     buffers: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
     result: int
@@ -189,22 +194,19 @@ class RecordedCall:
     def __call__(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         if _HOOKS.launch_enter_hook.calls or _HOOKS.launch_exit_hook.calls:
             return None
-        if (any(a is not b or a.data_ptr() != address for a, b, address in zip(weights, self.weights,
-                                                                                 self.weight_addresses))
-                or torch.cuda.current_device() != self.device_index):
+        if tuple(map(_ADDRESS, weights)) != self.weight_addresses or current_device_index() != self.device_index:
             return None
         address = x.data_ptr()
         if address % ALIGNMENT:  # the kernels may be specialized for aligned pointers
             return None
-        device = x.device
-        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.buffers]
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers]
         addresses = [address, *(buffer.data_ptr() for buffer in buffers)]
         stream = current_raw_stream(self.device_index)
         for launch in self.launches:
             arguments = list(launch.arguments)
             for position, source in launch.replaced:
                 arguments[position] = addresses[source]
-            scratch = torch.empty(launch.scratch_bytes, dtype=torch.int8, device=device) if launch.scratch_bytes \
+            scratch = torch.empty(launch.scratch_bytes, dtype=torch.int8, device=self.device) if launch.scratch_bytes \
                 else None
             if launch.carveout is not None:
                 FITTER.set(launch.function, launch.carveout)
@@ -237,7 +239,7 @@ def record(x: torch.Tensor, weights: Sequence[torch.Tensor], call: Callable[[], 
             raise ValueError(f"a {tuple(result.shape)} result cannot be returned as {tuple(result_shape)}")
         buffers[results[0]] = (tuple(result_shape), result.dtype)
     return result, RecordedCall(
-        device_index=torch.cuda.current_device(),
+        device_index=torch.cuda.current_device(), device=x.device,
         weights=tuple(weights), weight_addresses=tuple(w.data_ptr() for w in weights),
         buffers=tuple(buffers), result=results[0], launches=tuple(recorder.launches),
     )

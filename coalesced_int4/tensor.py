@@ -65,6 +65,14 @@ class CudaCoalescedInt4Tensor(TorchAOBaseTensor):
     tensor_attribute_names = ["block_size", "shape"]
     optional_tensor_attribute_names = ["activation_dtype"]
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # F.linear, which every quantized nn.Linear calls, goes straight to its handler (every
+        # eager call pays this lookup); everything else through the torch-function table.
+        if func is F.linear:
+            return _linear(func, types, args, kwargs or {})
+        return super().__torch_function__(func, types, args, kwargs)
+
     def __new__(
         cls,
         qdata: torch.Tensor,
@@ -278,7 +286,7 @@ implements_torch_function = CudaCoalescedInt4Tensor.implements_torch_function
 
 
 @implements(aten.linear.default)
-@implements_torch_function([F.linear, aten.linear, aten.linear.default])
+@implements_torch_function([aten.linear, aten.linear.default])  # F.linear: __torch_function__
 def _linear(func, types, args, kwargs):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     return quantized_linear(args[0], args[1], bias)

@@ -200,7 +200,7 @@ class RecordedCall:
         if address % ALIGNMENT:  # the kernels may be specialized for aligned pointers
             return None
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.buffers]
-        addresses = [address, *(buffer.data_ptr() for buffer in buffers)]
+        addresses = [address, *map(_ADDRESS, buffers)]
         stream = current_raw_stream(self.device_index)
         for launch in self.launches:
             arguments = list(launch.arguments)

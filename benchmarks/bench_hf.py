@@ -18,7 +18,7 @@ copy is made from the bf16 model, measured, and freed), each phase printed as it
 Eager generation runs at ``--eager-batches`` (default batch 1: what eager users run). A run
 may be split over processes (one method each, say): ``--include-json`` puts the rows of
 earlier runs' JSON files (same GPU) into this run's table, so the bf16 column of "vs bf16"
-can come from another run.
+can come from another run; the JSON is rewritten after every row.
 
     python benchmarks/bench_hf.py [--methods bf16,ours,torchao] [--batches 1,4,16] [--eager-batches 1]
         [--new-tokens 64] [--eager-tokens 16] [--layers 32] [--include-json earlier.json ...]
@@ -131,6 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rows.append(row)
                 print(f"# {method} {mode} batch {batch}: {row['tokens_per_s']:.1f} tokens/s, TTFT "
                       f"{row['ttft_ms']:.1f} ms ({time.perf_counter() - start:.1f} s)", flush=True)
+                if args.json:  # after every row: a run stopped by a time cap keeps what it measured
+                    write_json(args.json, layers=args.layers, rows=rows)
         if model is not base:
             del model
         torch._dynamo.reset()
@@ -146,8 +148,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n".join(table))
     if args.markdown:
         write_markdown(args.markdown, table)
-    if args.json:
-        write_json(args.json, layers=args.layers, rows=rows)
     return 0
 
 

@@ -101,8 +101,8 @@ def measure(model, batch: int, new_tokens: int, static: bool) -> Dict[str, float
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="bf16,ours,torchao")
-    parser.add_argument("--batches", default="1,4,16", help="batch sizes of compiled generation")
-    parser.add_argument("--eager-batches", default="1", help="batch sizes of eager generation")
+    parser.add_argument("--batches", default="1,4,16", help="batch sizes of compiled generation (empty: none)")
+    parser.add_argument("--eager-batches", default="1", help="batch sizes of eager generation (empty: none)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens a compiled generation makes")
     parser.add_argument("--eager-tokens", type=int, default=16, help="tokens an eager generation makes")
     parser.add_argument("--layers", type=int, default=32)
@@ -114,7 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # measurements would silently run eager.
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    batches = {True: [int(b) for b in args.batches.split(",")], False: [int(b) for b in args.eager_batches.split(",")]}
+    batches = {static: [int(b) for b in value.split(",") if b]  # "": none of that mode
+               for static, value in ((True, args.batches), (False, args.eager_batches))}
     rows = [row for path in args.include_json for row in read_json_rows(path, layers=args.layers)]
     base = llama3_8b(args.layers)
     for method in args.methods.split(","):

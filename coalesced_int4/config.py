@@ -6,8 +6,8 @@ model-wide rules below) calls the handler once per ``nn.Linear``; torchao's own
 ``quantize_`` and transformers' quantize-at-load call the same handler. A weight the
 format cannot hold (K not a multiple of 32, not 2-D, not floating point, empty) stays dense;
 each distinct (shape, reason) is logged once at WARNING. A weight that is already quantized is
-left alone. ``config.report`` accumulates what happened: layers quantized and skipped (with
-reasons) and the weight bytes before and after.
+left alone. ``config.report`` accumulates what happened: layers quantized, already quantized
+and skipped (with reasons), and the weight bytes before and after.
 
 With ``device=`` set, each weight is moved there, quantized there, and stays there (the bias
 too): a bf16 model on the CPU can be quantized on a GPU one layer at a time, so peak GPU memory
@@ -38,11 +38,14 @@ class QuantizeReport:
     skipped: List[Tuple[Tuple[int, ...], str]] = dataclasses.field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    already_quantized: int = 0
+    """Linear weights found quantized (by an earlier call) and left as they were."""
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
+        already = f", {self.already_quantized} already quantized" if self.already_quantized else ""
         return (
-            f"{self.quantized} linear weights quantized, {len(self.skipped)} left dense; "
+            f"{self.quantized} linear weights quantized{already}, {len(self.skipped)} left dense; "
             f"quantized weights {self.bytes_before / 2**20:.1f} MiB -> "
             f"{self.bytes_after / 2**20:.1f} MiB ({saved / 2**20:.1f} MiB saved)"
         )
@@ -122,6 +125,7 @@ def int4_config(**options) -> Int4Config:
 def _quantize_linear(module: torch.nn.Module, config: Int4Config, **_) -> torch.nn.Module:
     weight = module.weight
     if isinstance(weight, CudaCoalescedInt4Tensor):
+        config.report.already_quantized += 1
         return module
     if not isinstance(module, torch.nn.Linear):
         # transformers hands embeddings here too (include_input_output_embeddings=True); the

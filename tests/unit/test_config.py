@@ -60,13 +60,15 @@ def test_a_skip_reason_is_logged_once(caplog):
     assert len(caplog.records) == 1 and len(config.report.skipped) == 3
 
 
-def test_quantizing_twice_leaves_quantized_weights_alone():
+def test_quantizing_twice_leaves_quantized_weights_alone_and_the_report_counts_them():
     model = _model()
     ci4.quantize_(model, int4_config())
     first = model[0].weight
     config = int4_config()
     ci4.quantize_(model, config)
     assert model[0].weight is first and config.report.quantized == 0
+    assert config.report.already_quantized == 2
+    assert "0 linear weights quantized, 2 already quantized, 2 left dense" in config.report.summary()
 
 
 def test_quantized_model_output_is_close_to_bf16():

@@ -84,6 +84,8 @@ TUNE_ENV = "COALESCED_INT4_AUTOTUNE"
 """``COALESCED_INT4_AUTOTUNE=1``: tune every shape with no pick on first use, in the whole process."""
 
 _TUNE_FROM_ENVIRONMENT = os.environ.get(TUNE_ENV) == "1"
+
+
 class _TuningState(threading.local):
     stats = None
     """Each thread's innermost ``autotune_launch_params`` statistics (a class default, so that

@@ -239,7 +239,7 @@ def record(x: torch.Tensor, weights: Sequence[torch.Tensor], call: Callable[[], 
             raise ValueError(f"a {tuple(result.shape)} result cannot be returned as {tuple(result_shape)}")
         buffers[results[0]] = (tuple(result_shape), result.dtype)
     return result, RecordedCall(
-        device_index=torch.cuda.current_device(), device=x.device,
+        device_index=current_device_index(), device=x.device,
         weights=tuple(weights), weight_addresses=tuple(w.data_ptr() for w in weights),
         buffers=tuple(buffers), result=results[0], launches=tuple(recorder.launches),
     )
